@@ -1,0 +1,54 @@
+"""The CPU backend: kernels generated as numba source, parallel over cores.
+
+Only ``probe`` imports numba, so ``import yirage`` stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import yirage
+from yirage.backend.host import host_device_info, host_memory_info
+from yirage.backend.probes import distribution_version, module_installed
+
+YIRAGE_PLUGIN_API = 1
+
+
+class CPUBackend(yirage.Backend):
+    name = "cpu"
+    priority = 20
+    vendor = "host"
+    torch_device = "cpu"
+    device_kind = "cpu"
+    description = "numba-generated kernels (parallel=True, OpenMP/workqueue layer) on the host CPU"
+
+    def probe(self) -> yirage.Availability:
+        if not module_installed("numba"):
+            return yirage.Availability(
+                False, "numba is not installed: pip install numba (or the yirage-backend-cpu distribution)"
+            )
+        try:
+            numba = importlib.import_module("numba")
+        except ImportError as exc:  # e.g. a numpy release numba does not support yet
+            return yirage.Availability(False, f"numba is installed but does not import: {exc}")
+        info = host_device_info()
+        return yirage.Availability(
+            True, f"numba {numba.__version__} on {info.compute_units} cores of {info.name}"
+        )
+
+    def device_info(self, index: int = 0) -> yirage.DeviceInfo:
+        import numba
+
+        return host_device_info(
+            numba=distribution_version("numba"),
+            numba_threads=numba.config.NUMBA_NUM_THREADS,
+            threading_layer_preference=numba.config.THREADING_LAYER,
+        )
+
+    def memory_info(self, index: int = 0) -> yirage.MemoryInfo:
+        return host_memory_info()
+
+
+@yirage.hookimpl
+def yirage_backends() -> list[type[yirage.Backend]]:
+    return [CPUBackend]

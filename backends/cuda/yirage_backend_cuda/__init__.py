@@ -1,0 +1,105 @@
+"""The CUDA backend, for NVIDIA GPUs only.
+
+MetaX, Iluvatar and Hygon stacks answer ``torch.cuda.is_available()`` too;
+this backend claims a device only when its name is NVIDIA's and torch is a
+CUDA (not a ROCm/HIP) build, so those devices go to their own backends.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import yirage
+from yirage.backend.probes import TorchCudaFacts, TorchDevice, torch_cuda_facts
+
+YIRAGE_PLUGIN_API = 1
+
+NVIDIA_NAME = re.compile(r"\b(nvidia|geforce|tesla|quadro|titan|rtx|gtx|jetson|grace)\b", re.IGNORECASE)
+
+
+def nvidia_devices(facts: TorchCudaFacts) -> list[TorchDevice]:
+    if facts.hip_version or not facts.cuda_version:
+        return []
+    return [d for d in facts.devices if NVIDIA_NAME.search(d.name)]
+
+
+def _nvcc_note() -> str:
+    nvcc = shutil.which("nvcc")
+    return f"; nvcc is at {nvcc}, so generated CUDA source can still be compile-checked" if nvcc else ""
+
+
+class CUDABackend(yirage.Backend):
+    name = "cuda"
+    priority = 100
+    vendor = "NVIDIA"
+    torch_device = "cuda"
+    device_kind = "gpu"
+    description = "CUDA C kernels (NVRTC/nvcc) on NVIDIA GPUs"
+
+    def probe(self) -> yirage.Availability:
+        facts = torch_cuda_facts()
+        if facts.error and not facts.torch_version:
+            return yirage.Availability(False, facts.error)
+        if facts.hip_version:
+            return yirage.Availability(
+                False,
+                f"torch {facts.torch_version} is a ROCm/HIP build (HIP {facts.hip_version}), not CUDA; "
+                "its devices are AMD or Hygon DCU, not NVIDIA",
+            )
+        if not facts.cuda_version:
+            loaded = Path("/proc/driver/nvidia").exists()
+            driver = "an NVIDIA driver is loaded" if loaded else "no NVIDIA driver is loaded"
+            return yirage.Availability(
+                False,
+                f"torch {facts.torch_version} is a CPU-only build (torch.version.cuda is None) and {driver}; "
+                f"install a CUDA build of torch on a machine with an NVIDIA GPU{_nvcc_note()}",
+            )
+        if not facts.devices:
+            extra = f": {facts.error}" if facts.error else ""
+            return yirage.Availability(
+                False, f"torch {facts.torch_version} (CUDA {facts.cuda_version}) sees no CUDA device{extra}"
+            )
+        found = nvidia_devices(facts)
+        if not found:
+            names = ", ".join(repr(d.name) for d in facts.devices)
+            return yirage.Availability(
+                False,
+                f"torch.cuda devices ({names}) are not NVIDIA GPUs but a CUDA-compatible stack of another "
+                "vendor; use that vendor's backend",
+            )
+        best = found[0]
+        cap = f" (sm_{best.capability[0]}{best.capability[1]})" if best.capability else ""
+        return yirage.Availability(True, f"{best.name}{cap}, CUDA {facts.cuda_version}, {len(found)} device(s)")
+
+    def _devices(self) -> list[TorchDevice]:
+        self.require_available()
+        return nvidia_devices(torch_cuda_facts())
+
+    def device_count(self) -> int:
+        return len(self._devices()) if self.availability().ok else 0
+
+    def device_info(self, index: int = 0) -> yirage.DeviceInfo:
+        device = self._devices()[index]
+        return yirage.DeviceInfo(
+            name=device.name,
+            vendor="NVIDIA",
+            kind="gpu",
+            compute_units=device.multi_processor_count,
+            memory_bytes=device.total_memory,
+            simd_width=32,
+            extra={"compute_capability": device.capability, "torch_index": device.index},
+        )
+
+    def memory_info(self, index: int = 0) -> yirage.MemoryInfo:
+        import torch
+
+        device = self._devices()[index]
+        free, total = torch.cuda.mem_get_info(device.index)
+        return yirage.MemoryInfo(total, total - free, free, "cudaMemGetInfo")
+
+
+@yirage.hookimpl
+def yirage_backends() -> list[type[yirage.Backend]]:
+    return [CUDABackend]

@@ -1,0 +1,131 @@
+"""The OpenCL backend: OpenCL C through pyopencl, on any ICD (PoCL included).
+
+``set_backend('auto')`` passes over it when its best device is the host CPU
+(PoCL's pthread device): the cpu backend is the better choice there.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+import yirage
+from yirage.backend.host import host_memory_info
+from yirage.backend.probes import distribution_version, module_installed
+
+YIRAGE_PLUGIN_API = 1
+
+_TYPE_RANK = {"GPU": 0, "ACCELERATOR": 1, "CUSTOM": 2, "CPU": 3}
+
+
+def _type_name(cl: Any, device: Any) -> str:
+    for name in ("GPU", "ACCELERATOR", "CUSTOM", "CPU"):
+        if device.type & getattr(cl.device_type, name):
+            return name
+    return "DEFAULT"
+
+
+@functools.cache
+def _devices() -> tuple[list[Any], str]:
+    """Every OpenCL device, best first, or an empty list and why."""
+    cl = importlib.import_module("pyopencl")
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error as exc:
+        return [], f"no OpenCL platform ({exc}); install an ICD such as PoCL: pip install pocl-binary-distribution"
+    devices = []
+    for platform in platforms:
+        try:
+            devices.extend(platform.get_devices())
+        except cl.Error:
+            continue  # a platform with no devices of any type is not an error
+    devices.sort(key=lambda d: (_TYPE_RANK.get(_type_name(cl, d), 9), -d.max_compute_units))
+    if not devices:
+        names = ", ".join(p.name for p in platforms)
+        return [], f"OpenCL platforms ({names}) expose no device"
+    return devices, ""
+
+
+class OpenCLBackend(yirage.Backend):
+    name = "opencl"
+    priority = 50
+    vendor = "Khronos OpenCL"
+    torch_device = "cpu"
+    description = "OpenCL C kernels through pyopencl; runs on PoCL, GPU and accelerator ICDs"
+
+    @property
+    def device_kind(self) -> str:  # type: ignore[override]
+        if not self.availability().ok:
+            return "gpu"
+        cl = importlib.import_module("pyopencl")
+        return "cpu" if _type_name(cl, _devices()[0][0]) == "CPU" else "gpu"
+
+    def probe(self) -> yirage.Availability:
+        if not module_installed("pyopencl"):
+            return yirage.Availability(False, "pyopencl is not installed: pip install 'yirage-backend-opencl[pocl]'")
+        try:
+            cl = importlib.import_module("pyopencl")
+        except ImportError as exc:
+            return yirage.Availability(False, f"pyopencl is installed but does not import: {exc}")
+        devices, why = _devices()
+        if not devices:
+            return yirage.Availability(False, why)
+        best = devices[0]
+        kind = _type_name(cl, best)
+        where = f"{best.name.strip()} ({kind}, {best.platform.name.strip()})"
+        if kind == "CPU":
+            return yirage.Availability(
+                True,
+                f"only a host-CPU OpenCL device: {where}; auto prefers the cpu backend there",
+                auto=False,
+            )
+        return yirage.Availability(True, f"OpenCL device {where}")
+
+    def device_count(self) -> int:
+        return len(_devices()[0]) if self.availability().ok else 0
+
+    def _device(self, index: int) -> Any:
+        self.require_available()
+        devices = _devices()[0]
+        if not 0 <= index < len(devices):
+            raise IndexError(f"OpenCL device index {index} is out of range: there are {len(devices)} device(s)")
+        return devices[index]
+
+    def device_info(self, index: int = 0) -> yirage.DeviceInfo:
+        cl = importlib.import_module("pyopencl")
+        device = self._device(index)
+        kind = _type_name(cl, device)
+        return yirage.DeviceInfo(
+            name=device.name.strip(),
+            vendor=device.vendor.strip(),
+            kind={"GPU": "gpu", "CPU": "cpu"}.get(kind, "accelerator"),
+            compute_units=device.max_compute_units,
+            memory_bytes=device.global_mem_size,
+            simd_width=device.preferred_vector_width_float,
+            caches={"local_mem": device.local_mem_size, "global_mem_cache": device.global_mem_cache_size},
+            extra={
+                "platform": device.platform.name.strip(),
+                "opencl_version": device.version.strip(),
+                "driver_version": device.driver_version.strip(),
+                "max_work_group_size": device.max_work_group_size,
+                "fp16": "cl_khr_fp16" in device.extensions,
+                "fp64": "cl_khr_fp64" in device.extensions,
+                "pyopencl": distribution_version("pyopencl"),
+            },
+        )
+
+    def memory_info(self, index: int = 0) -> yirage.MemoryInfo:
+        cl = importlib.import_module("pyopencl")
+        device = self._device(index)
+        if _type_name(cl, device) == "CPU":
+            host = host_memory_info()
+            total = min(device.global_mem_size, host.total)
+            return yirage.MemoryInfo(total, host.used, min(host.free or 0, total), "host RAM (psutil)")
+        # core OpenCL has no query for free device memory
+        return yirage.MemoryInfo(device.global_mem_size, None, None, "CL_DEVICE_GLOBAL_MEM_SIZE")
+
+
+@yirage.hookimpl
+def yirage_backends() -> list[type[yirage.Backend]]:
+    return [OpenCLBackend]

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Set up .venv from scratch: torch (CPU build), the core, every built-in
+# backend distribution in editable mode, PoCL for OpenCL, and the test tools.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+"$PYTHON" - <<'PY'
+import sys
+if sys.version_info < (3, 10):
+    sys.exit(f"yirage needs Python >= 3.10, but {sys.executable} is {sys.version.split()[0]}; set PYTHON=python3.11")
+PY
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+"${PIP[@]}" --upgrade pip setuptools wheel
+# pin the CPU build: a bare `torch` would pull a multi-GB CUDA build
+"${PIP[@]}" "torch==2.13.0"
+"${PIP[@]}" --no-build-isolation \
+    -e ".[test]" \
+    -e backends/cpu \
+    -e "backends/opencl[pocl]" \
+    -e backends/cuda \
+    -e backends/mps \
+    -e backends/domestic
+touch .venv/.installed
+echo "yirage is set up in .venv"

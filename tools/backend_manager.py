@@ -1,0 +1,9 @@
+#!/usr/bin/env python
+"""yirage backend manager: ``info`` and ``set`` (same as ``python -m yirage``)."""
+
+import sys
+
+from yirage.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

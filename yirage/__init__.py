@@ -1,0 +1,60 @@
+"""yirage: compile tensor programs and LLM decode loops for many kinds of hardware.
+
+Import-light on purpose: importing yirage imports neither torch nor any
+backend library; backends are discovered and probed on first use.
+"""
+
+from __future__ import annotations
+
+from yirage.backend.base import PLUGIN_API_VERSION, Availability, Backend, DeviceInfo, MemoryInfo
+from yirage.backend.hookspecs import hookimpl
+from yirage.backend.selection import (
+    BackendType,
+    get_available_backends,
+    get_backend,
+    get_backend_info,
+    get_memory_info,
+    is_backend_available,
+    last_auto_report,
+    reset_backend,
+    set_backend,
+)
+from yirage.errors import (
+    BackendError,
+    BackendUnavailableError,
+    NotSupportedError,
+    PluginAPIVersionError,
+    PluginError,
+    UnknownBackendError,
+    YirageError,
+)
+from yirage.log import configure_from_environment as _configure_logging
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PLUGIN_API_VERSION",
+    "Availability",
+    "Backend",
+    "BackendError",
+    "BackendType",
+    "BackendUnavailableError",
+    "DeviceInfo",
+    "MemoryInfo",
+    "NotSupportedError",
+    "PluginAPIVersionError",
+    "PluginError",
+    "UnknownBackendError",
+    "YirageError",
+    "get_available_backends",
+    "get_backend",
+    "get_backend_info",
+    "get_memory_info",
+    "hookimpl",
+    "is_backend_available",
+    "last_auto_report",
+    "reset_backend",
+    "set_backend",
+]
+
+_configure_logging()

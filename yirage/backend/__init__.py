@@ -1,0 +1,1 @@
+"""Backend interface, plugin hooks, discovery, registry and selection."""

@@ -1,0 +1,39 @@
+"""The reference backend: torch eager on the CPU, the oracle for every test.
+
+It lives in the core, is always registered (even with plugin autoload off)
+and is always available where torch is.
+"""
+
+from __future__ import annotations
+
+from yirage.backend.base import Availability, Backend, DeviceInfo, MemoryInfo
+from yirage.backend.hookspecs import hookimpl
+from yirage.backend.host import host_device_info, host_memory_info
+from yirage.backend.probes import distribution_version, module_installed
+
+YIRAGE_PLUGIN_API = 1
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    priority = 0
+    vendor = "PyTorch"
+    torch_device = "cpu"
+    device_kind = "cpu"
+    description = "torch eager on the CPU, op by op; the golden result"
+
+    def probe(self) -> Availability:
+        if not module_installed("torch"):
+            return Availability(False, "torch is not installed: pip install 'torch==2.13.0'")
+        return Availability(True, f"torch {distribution_version('torch')} eager on the host CPU", auto=True)
+
+    def device_info(self, index: int = 0) -> DeviceInfo:
+        return host_device_info(torch=distribution_version("torch"))
+
+    def memory_info(self, index: int = 0) -> MemoryInfo:
+        return host_memory_info()
+
+
+@hookimpl
+def yirage_backends() -> list[type[Backend]]:
+    return [ReferenceBackend]
