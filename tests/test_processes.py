@@ -80,9 +80,8 @@ def test_info_lists_every_backend_truthfully() -> None:
     expected = {"reference", "cpu", "opencl", "cuda", "mps", "ascend", "cambricon", "moore",
                 "metax", "iluvatar", "hygon"}
     assert expected <= set(names)
-    truth = run(
-        "import json, yirage as yr; print(json.dumps({n: yr.is_backend_available(n) for n in %r}))" % sorted(names)
-    )
+    probe = f"import json, yirage as yr; print(json.dumps({{n: yr.is_backend_available(n) for n in {names!r}}}))"
+    truth = run(probe)
     assert {b["name"]: b["available"] for b in info["backends"]} == json.loads(truth.stdout)
     assert info["default"]["backend"] == "cpu"
     assert info["host"]["logical_cores"] == os.cpu_count()
