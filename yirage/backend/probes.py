@@ -14,6 +14,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from yirage.backend.base import MemoryInfo
+
 
 def module_installed(name: str) -> bool:
     """True when ``import name`` would find a module, without importing it."""
@@ -92,3 +94,11 @@ def torch_device_module(attr: str) -> Any | None:
     import torch
 
     return getattr(torch, attr, None)
+
+
+def torch_cuda_memory(torch_index: int) -> MemoryInfo:
+    """Free and total memory of one ``torch.cuda`` device, measured by the driver."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(torch_index)
+    return MemoryInfo(int(total), int(total - free), int(free), "torch.cuda.mem_get_info")

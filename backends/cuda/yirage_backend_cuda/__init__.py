@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import yirage
-from yirage.backend.probes import TorchCudaFacts, TorchDevice, torch_cuda_facts
+from yirage.backend.probes import TorchCudaFacts, TorchDevice, torch_cuda_facts, torch_cuda_memory
 
 YIRAGE_PLUGIN_API = 1
 
@@ -93,11 +93,7 @@ class CUDABackend(yirage.Backend):
         )
 
     def memory_info(self, index: int = 0) -> yirage.MemoryInfo:
-        import torch
-
-        device = self._devices()[index]
-        free, total = torch.cuda.mem_get_info(device.index)
-        return yirage.MemoryInfo(total, total - free, free, "cudaMemGetInfo")
+        return torch_cuda_memory(self._devices()[index].index)
 
 
 @yirage.hookimpl

@@ -6,7 +6,7 @@ import re
 from typing import ClassVar
 
 import yirage
-from yirage.backend.probes import TorchCudaFacts, TorchDevice, torch_cuda_facts
+from yirage.backend.probes import TorchCudaFacts, TorchDevice, torch_cuda_facts, torch_cuda_memory
 
 
 class CudaCompatibleBackend(yirage.Backend):
@@ -64,8 +64,4 @@ class CudaCompatibleBackend(yirage.Backend):
         )
 
     def memory_info(self, index: int = 0) -> yirage.MemoryInfo:
-        import torch
-
-        device = self._devices()[index]
-        free, total = torch.cuda.mem_get_info(device.index)
-        return yirage.MemoryInfo(total, total - free, free, "torch.cuda.mem_get_info")
+        return torch_cuda_memory(self._devices()[index].index)
