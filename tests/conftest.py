@@ -43,6 +43,16 @@ def unique(prefix: str) -> str:
     return f"{prefix}_{next(_counter)}"
 
 
+@pytest.fixture(autouse=True)
+def private_settings(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Keep the user's saved default backend (and yirage env vars) out of every test."""
+    for key in ("YIRAGE_BACKEND", "YIRAGE_PLUGINS", "YIRAGE_DISABLE_PLUGIN_AUTOLOAD", "YIRAGE_LOG_LEVEL"):
+        monkeypatch.delenv(key, raising=False)
+    settings = tmp_path_factory.mktemp("settings")
+    monkeypatch.setenv("YIRAGE_CONFIG_DIR", str(settings))
+    return settings
+
+
 @pytest.fixture
 def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., str]:
     """Make a real distribution visible to importlib.metadata; returns its module name."""

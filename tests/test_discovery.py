@@ -37,9 +37,36 @@ def test_disable_autoload_leaves_only_the_core_reference() -> None:
     assert reg.names() == ["reference"]
 
 
-@pytest.mark.parametrize("value", ["0", "", "false"])
-def test_autoload_switch_off_values_keep_autoload(value: str) -> None:
-    assert "cpu" in Registry(environ={"YIRAGE_DISABLE_PLUGIN_AUTOLOAD": value}).names()
+@pytest.mark.parametrize("value", ["1", "0", "yes", "false"])
+def test_any_non_empty_autoload_switch_disables_autoload_as_in_pytest(value: str) -> None:
+    reg = Registry(environ={"YIRAGE_DISABLE_PLUGIN_AUTOLOAD": value})
+    assert reg.names() == ["reference"]
+    excluded = {r.name for r in reg.plugins.records if r.status == "excluded"}
+    assert {"cpu", "opencl", "cuda"} <= excluded
+
+
+def test_an_empty_autoload_switch_keeps_autoload() -> None:
+    assert "cpu" in Registry(environ={"YIRAGE_DISABLE_PLUGIN_AUTOLOAD": ""}).names()
+
+
+@pytest.mark.parametrize("spelling", ["yirage_backend_domestic", "Yirage-Backend-Domestic", "yirage.backend.domestic"])
+def test_allow_list_matches_distribution_names_as_pip_does(spelling: str) -> None:
+    reg = Registry(environ={"YIRAGE_PLUGINS": spelling})
+    assert set(reg.names()) == {"reference", "ascend", "cambricon", "moore", "metax", "iluvatar", "hygon"}
+    assert not [r for r in reg.plugins.records if r.status in {"failed", "refused"}]
+
+
+def test_allow_list_is_case_blind_and_tolerates_duplicates() -> None:
+    reg = Registry(environ={"YIRAGE_PLUGINS": "CPU,yirage_backend_cpu, cpu"})
+    assert set(reg.names()) == {"reference", "cpu"}
+    assert not [r for r in reg.plugins.records if r.status in {"failed", "refused"}]
+
+
+def test_an_allow_list_name_that_matches_nothing_lists_the_installed_plugins() -> None:
+    reg = Registry(environ={"YIRAGE_PLUGINS": "no_such_plugin_anywhere"})
+    record = next(r for r in reg.plugins.records if r.name == "no_such_plugin_anywhere")
+    assert record.status == "failed"
+    assert "matches no installed plugin" in record.error and "yirage-backend-cpu" in record.error
 
 
 def test_allow_list_by_entry_point_name() -> None:
@@ -67,6 +94,43 @@ def test_allow_list_imports_a_module_path_without_an_entry_point(tmp_path, monke
     reg = Registry(environ={"YIRAGE_DISABLE_PLUGIN_AUTOLOAD": "1", "YIRAGE_PLUGINS": "loose_plugin"})
     assert set(reg.names()) == {"reference", "loose"}
     assert reg.origin("loose").distribution == "(YIRAGE_PLUGINS)"
+
+
+def test_a_plugin_that_exits_on_import_does_not_end_the_host(plugin_dir) -> None:
+    module = plugin_dir("import sys\nsys.exit('no licence server')")
+    reg = Registry(environ={})
+    record = next(r for r in reg.plugins.records if r.name == module)
+    assert record.status == "failed" and "SystemExit" in record.error and "no licence server" in record.error
+    assert "cpu" in reg.names()
+
+
+def test_a_hookimpl_with_specname_is_called_through_pluggy(plugin_dir) -> None:
+    source = fake_backends_source('_make("renamed", 5)').replace(
+        "@yirage.hookimpl\ndef yirage_backends():", '@yirage.hookimpl(specname="yirage_backends")\ndef provide():'
+    )
+    assert "def provide" in source
+    plugin_dir(source)
+    assert "renamed" in Registry(environ={}).names()
+
+
+def test_a_backend_whose_constructor_raises_is_reported_and_skipped(plugin_dir) -> None:
+    source = fake_backends_source('_make("fragile", 5)').replace(
+        "    return Fake\n", "    def boom(self):\n        raise RuntimeError('init exploded')\n"
+        "    Fake.__init__ = boom\n    return Fake\n"
+    )
+    plugin_dir(source)
+    reg = Registry(environ={})
+    assert "fragile" not in reg.names() and "cpu" in reg.names()
+    assert any("init exploded" in c and "'fragile'" in c for c in reg.conflicts)
+
+
+def test_a_probe_that_returns_junk_makes_its_backend_unavailable(plugin_dir) -> None:
+    source = fake_backends_source('_make("sloppy", 5)').replace(
+        "    return Fake\n", "    Fake.probe = lambda self: True\n    return Fake\n"
+    )
+    plugin_dir(source)
+    avail = Registry(environ={}).get("sloppy").availability()
+    assert not avail.ok and "instead of an Availability" in avail.reason
 
 
 def test_a_crashing_plugin_is_reported_and_the_rest_still_load(plugin_dir) -> None:

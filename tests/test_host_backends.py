@@ -105,3 +105,64 @@ def test_every_backend_answers_with_a_sentence(reg) -> None:
         if not avail.ok:
             with pytest.raises(Exception, match=backend.name):
                 backend.require_available()
+
+
+def test_opencl_memory_adds_up(reg) -> None:
+    _opencl_devices()
+    mem = reg.get("opencl").memory_info()
+    if mem.free is not None:
+        assert mem.used + mem.free == mem.total and 0 <= mem.free <= mem.total
+
+
+def test_reset_reprobes_opencl(reg, monkeypatch) -> None:
+    import yirage_backend_opencl as ocl
+
+    _opencl_devices()
+    backend = reg.get("opencl")
+    assert backend.availability().ok
+    monkeypatch.setattr(ocl, "_devices", _fake_devices([]))
+    backend.forget_probe()
+    assert not backend.availability().ok
+    monkeypatch.undo()
+    backend.forget_probe()
+    assert backend.availability().ok
+
+
+class _FakeDevice:
+    def __init__(self, cl, kind: str, name: str) -> None:
+        self.type = getattr(cl.device_type, kind)
+        self.name = name
+        self.vendor = "Fake GPUs Inc"
+        self.platform = type("P", (), {"name": "Fake platform"})()
+        self.max_compute_units = 96
+        self.global_mem_size = 24 << 30
+        self.local_mem_size = 64 << 10
+        self.global_mem_cache_size = 4 << 20
+        self.preferred_vector_width_float = 1
+        self.version = "OpenCL 3.0"
+        self.driver_version = "1.0"
+        self.max_work_group_size = 1024
+        self.extensions = "cl_khr_fp16"
+
+
+def _fake_devices(devices):
+    def fake():
+        return devices, "" if devices else "no OpenCL platform (faked)"
+
+    fake.cache_clear = lambda: None
+    return fake
+
+
+def test_opencl_gpu_is_eligible_for_auto(reg, monkeypatch) -> None:
+    import yirage_backend_opencl as ocl
+
+    cl, _ = _opencl_devices()
+    gpu = _FakeDevice(cl, "GPU", "Fake RX 9000")
+    monkeypatch.setattr(ocl, "_devices", _fake_devices([gpu, _FakeDevice(cl, "CPU", "host")]))
+    backend = ocl.OpenCLBackend()
+    avail = backend.availability()
+    assert avail.ok and avail.auto and "Fake RX 9000" in avail.reason
+    assert backend.device_kind == "gpu"
+    info = backend.device_info(0)
+    assert info.kind == "gpu" and info.compute_units == 96 and info.extra["fp16"] is True
+    assert backend.memory_info(0).free is None  # core OpenCL cannot tell free GPU memory

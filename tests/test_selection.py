@@ -188,3 +188,53 @@ def test_get_memory_info_of_an_unavailable_backend_raises(isolated_selection) ->
         pytest.skip("MPS is available on this machine")
     with pytest.raises(yr.BackendUnavailableError, match="mps"):
         yr.get_memory_info("mps")
+
+
+def test_unknown_names_list_the_available_alternatives_first(fake_world) -> None:
+    fake_world('_make("big", 100, ok=False)', '_make("low", 30)')
+    with pytest.raises(yr.UnknownBackendError) as err:
+        yr.set_backend("nope")
+    assert "available here: low, reference" in str(err.value)
+
+
+def test_a_backend_excluded_by_the_allow_list_says_so(isolated_selection) -> None:
+    isolated_selection(Registry(environ={"YIRAGE_PLUGINS": "opencl"}))
+    with pytest.raises(yr.UnknownBackendError) as err:
+        yr.set_backend("cpu")
+    assert "yirage-backend-cpu" in str(err.value) and "not named in YIRAGE_PLUGINS" in str(err.value)
+
+
+def test_backend_info_of_auto_describes_the_backend_auto_picks(fake_world) -> None:
+    fake_world('_make("mid", 60)', '_make("low", 30)')
+    assert yr.get_backend_info("auto")["name"] == "mid"
+
+
+def test_backend_type_pickles_and_refuses_unknown_names(fake_world) -> None:
+    import copy
+    import pickle
+
+    fake_world('_make("low", 30)')
+    member = yr.BackendType("low")
+    assert pickle.loads(pickle.dumps(member)) is member
+    assert copy.deepcopy(member) is member
+    with pytest.raises(yr.UnknownBackendError, match="'bogus'"):
+        yr.BackendType("bogus")
+
+
+def test_a_failing_device_query_is_reported_not_raised(fake_world) -> None:
+    reg = fake_world('_make("flaky", 70)')
+
+    def broken(self, index=0):
+        raise RuntimeError("driver query failed")
+
+    type(reg.get("flaky")).device_info = broken
+    info = yr.get_backend_info("flaky")
+    assert info["available"] and "driver query failed" in info["error"]
+
+
+def test_auto_warning_names_plugins_the_switches_kept_out(isolated_selection, caplog) -> None:
+    isolated_selection(Registry(environ={"YIRAGE_DISABLE_PLUGIN_AUTOLOAD": "1", "YIRAGE_PLUGINS": "cpu"}))
+    with caplog.at_level(logging.WARNING, logger="yirage"):
+        assert yr.set_backend("auto") == "cpu"
+    message = next(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "not loaded" in message and "cuda" in message

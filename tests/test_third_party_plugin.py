@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+KEEP = {"YIRAGE_CONFIG_DIR", "YIRAGE_CACHE_DIR"}  # the test session's private settings and cache
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def site(tmp_path_factory) -> Path:
 
 
 def run(site: Path, args: list[str], **env: str) -> subprocess.CompletedProcess:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("YIRAGE_")}
+    full = {k: v for k, v in os.environ.items() if not k.startswith("YIRAGE_") or k in KEEP}
     full["PYTHONPATH"] = os.pathsep.join([str(site), full.get("PYTHONPATH", "")])
     full.update(env)
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=full, cwd=ROOT,

@@ -21,7 +21,11 @@ CUDA_LIKE = ["cuda", "metax", "iluvatar", "hygon"]
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    def install(names: list[str], cuda: str | None = "12.4", hip: str | None = None) -> Registry:
+    import yirage_backend_cuda
+
+    def install(names: list[str], cuda: str | None = "12.4", hip: str | None = None,
+                nvidia_driver: bool = False) -> Registry:
+        monkeypatch.setattr(yirage_backend_cuda, "nvidia_driver_loaded", lambda: nvidia_driver)
         props = [
             SimpleNamespace(name=n, total_memory=(16 + i) << 30, multi_processor_count=80 + i, major=8, minor=0)
             for i, n in enumerate(names)
@@ -61,7 +65,15 @@ def test_each_cuda_api_device_goes_to_its_vendor(fake_cuda, names, cuda, hip, ex
 def test_cuda_explains_a_foreign_device(fake_cuda) -> None:
     reg = fake_cuda(["MetaX C500"], cuda="11.6")
     reason = reg.get("cuda").availability().reason
-    assert "MetaX C500" in reason and "not NVIDIA" in reason
+    assert "MetaX C500" in reason and "not recognisably NVIDIA" in reason
+
+
+@pytest.mark.parametrize("name", ["A100-SXM4-40GB", "H100 PCIe", "GRID A100D-40C"])
+def test_unbranded_names_are_nvidia_when_the_nvidia_driver_is_loaded(fake_cuda, name) -> None:
+    assert available(fake_cuda([name], nvidia_driver=True)) == {"cuda"}
+    without = fake_cuda([name], nvidia_driver=False)
+    assert available(without) == set()
+    assert "no NVIDIA driver is loaded" in without.get("cuda").availability().reason
 
 
 def test_cuda_explains_a_rocm_build(fake_cuda) -> None:
@@ -76,7 +88,7 @@ def test_auto_picks_metax_not_cuda_on_a_metax_machine(fake_cuda, isolated_select
     assert info["vendor"] == "MetaX" and info["device"]["name"] == "MetaX C500"
     assert info["device_count"] == 2 and info["device"]["compute_units"] == 80
     assert info["memory"] == {"total": 16 << 30, "used": 12 << 30, "free": 4 << 30, "source": "torch.cuda.mem_get_info"}
-    with pytest.raises(yr.BackendUnavailableError, match="not NVIDIA"):
+    with pytest.raises(yr.BackendUnavailableError, match="not recognisably NVIDIA"):
         yr.set_backend("cuda")
 
 

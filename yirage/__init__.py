@@ -28,6 +28,10 @@ from yirage.errors import (
     UnknownBackendError,
     YirageError,
 )
+from yirage.graph.dtypes import bfloat16, float16, float32, float64, int32, int64
+from yirage.graph.kernel_graph import KernelGraph, Tensor, new_kernel_graph
+from yirage.graph.ops import GraphError
+from yirage.graph.reference import run_reference
 from yirage.log import configure_from_environment as _configure_logging
 
 __version__ = "0.1.0"
@@ -46,6 +50,17 @@ __all__ = [
     "PluginError",
     "UnknownBackendError",
     "YirageError",
+    "GraphError",
+    "KernelGraph",
+    "Tensor",
+    "bfloat16",
+    "float16",
+    "float32",
+    "float64",
+    "int32",
+    "int64",
+    "new_kernel_graph",
+    "run_reference",
     "get_available_backends",
     "get_backend",
     "get_backend_info",

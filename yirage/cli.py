@@ -33,7 +33,11 @@ def collect_info() -> dict[str, Any]:
         default: dict[str, Any] = {"backend": selection.get_backend().value}
     except YirageError as exc:
         default = {"backend": None, "error": str(exc)}
-    default["requested"] = selection._requested or config.load().get("backend") or "auto"
+    try:
+        saved = config.load().get("backend")
+    except YirageError as exc:
+        saved, default["settings_error"] = None, str(exc)
+    default["requested"] = selection._requested or saved or "auto"
     default["auto_report"] = [d.__dict__ for d in selection.last_auto_report()]
     plugins = [r.__dict__ for r in reg.plugins.records]
     return {
@@ -72,6 +76,8 @@ def print_info(info: dict[str, Any]) -> None:
         if b["available"] and not b["auto"]:
             status = "available*"
         dev, mem = b["device"] or {}, b["memory"] or {}
+        if b.get("error"):
+            status = "error"
         memory = f"{_gib(mem.get('free'))} / {_gib(mem.get('total'))}" if mem else "-"
         plugin = b["plugin"]
         rows.append([
@@ -83,8 +89,9 @@ def print_info(info: dict[str, Any]) -> None:
     print()
     print("Reasons")
     for b in info["backends"]:
-        print(f"  {b['name']:<10} {b['reason']}")
-    problems = [p for p in info["plugins"] if p["status"] != "loaded"]
+        extra = f" ({b['error']})" if b.get("error") else ""
+        print(f"  {b['name']:<10} {b['reason']}{extra}")
+    problems = [p for p in info["plugins"] if p["status"] != "loaded" or p["error"]]
     if problems or info["conflicts"]:
         print()
         print("Plugin problems")

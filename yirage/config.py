@@ -30,9 +30,14 @@ def config_path() -> Path:
 def load() -> dict[str, Any]:
     path = config_path()
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return {}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            f"the yirage settings file {path} cannot be read ({exc}); "
+            "delete it or fix it, e.g. with `python tools/backend_manager.py set auto`"
+        ) from exc
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -52,8 +57,13 @@ def save(**values: Any) -> Path:
     except ConfigError:
         data = {}  # `set` is the documented fix for a corrupted file: overwrite it
     data.update(values)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        tmp.replace(path)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write the yirage settings file {path}: {exc}; point YIRAGE_CONFIG_DIR elsewhere"
+        ) from exc
     return path

@@ -7,6 +7,7 @@ import os
 import warnings
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+ALIASES = {"WARN": "WARNING", "FATAL": "CRITICAL"}
 
 logger = logging.getLogger("yirage")
 
@@ -16,7 +17,7 @@ def configure_from_environment() -> None:
     raw = os.environ.get("YIRAGE_LOG_LEVEL", "").strip()
     if not raw:
         return
-    level = raw.upper()
+    level = ALIASES.get(raw.upper(), raw.upper())
     if level not in LEVELS:
         warnings.warn(
             f"YIRAGE_LOG_LEVEL={raw!r} is not a log level; use one of {', '.join(LEVELS)}. "
@@ -25,8 +26,19 @@ def configure_from_environment() -> None:
         )
         return
     logger.setLevel(level)
-    if not logger.handlers:
-        handler = logging.StreamHandler()
+    if not any(isinstance(h, _FallbackHandler) for h in logger.handlers):
+        handler = _FallbackHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         logger.addHandler(handler)
-        logger.propagate = False
+
+
+class _FallbackHandler(logging.StreamHandler):
+    """Print to stderr only while the application has not configured logging.
+
+    Records still propagate, so an application's own handlers see them and
+    this one steps aside (no duplicates).
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)

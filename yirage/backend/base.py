@@ -96,12 +96,16 @@ class Backend:
         """The memoized probe; a probe that raises is reported, not fatal."""
         if self._availability is None:
             try:
-                self._availability = self.probe()
-            except Exception as exc:  # a broken probe must not take the host down
+                answer = self.probe()
+            except Exception as exc:  # noqa: BLE001 - a broken probe must not take the host down
                 logger.warning("probe of backend %r raised", self.name, exc_info=True)
-                self._availability = Availability(
-                    False, f"the probe raised {type(exc).__name__}: {exc}"
+                answer = Availability(False, f"the probe raised {type(exc).__name__}: {exc}")
+            if not isinstance(answer, Availability):
+                logger.warning("probe of backend %r returned %r, not an Availability", self.name, answer)
+                answer = Availability(
+                    False, f"the probe returned {answer!r} instead of an Availability (a bug in the plugin)"
                 )
+            self._availability = answer
         return self._availability
 
     def forget_probe(self) -> None:
@@ -128,11 +132,17 @@ class Backend:
         raise NotSupportedError(f"backend {self.name!r} does not report memory")
 
     # -- filled in by the compiler and runtime layers --------------------
-    def compile(self, kernel: Any) -> Any:
-        """Render and build one kernel; cached on disk by content hash."""
+    #: dtypes this backend compiles kernel graphs for; empty: it cannot yet
+    kernel_dtypes: ClassVar[frozenset[str]] = frozenset()
+
+    def compile(self, plan: Any, graph: Any) -> Any:
+        """Build a callable ``run(inputs) -> outputs`` for a fused KernelPlan.
+
+        Inputs reach it already checked against the graph's declarations.
+        """
         raise NotSupportedError(
-            f"backend {self.name!r} cannot compile kernels yet; "
-            "use backend='reference' or another backend that can"
+            f"backend {self.name!r} cannot compile kernel graphs yet; "
+            "use backend='cpu' or backend='reference'"
         )
 
     def persistent_runtime(self, task_graph: Any, config: Any) -> Any:

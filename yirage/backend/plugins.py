@@ -18,6 +18,7 @@ import importlib
 import importlib.metadata as metadata
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import ModuleType
@@ -53,12 +54,13 @@ class PluginRecord:
     module: str
     distribution: str
     version: str
-    status: str  # "loaded", "failed", "refused", "skipped"
+    status: str  # "loaded", "failed", "refused", "skipped", "excluded"
     error: str = ""
 
 
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+def normalize(name: str) -> str:
+    """Compare plugin and distribution names as pip does (PEP 503), case-blind."""
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
 
 
 def _allow_list(environ: Mapping[str, str]) -> list[str] | None:
@@ -120,15 +122,15 @@ class PluginSet:
         return record
 
     def _collect_backends(self, module: Any, record: PluginRecord) -> PluginRecord:
-        """Take the plugin's valid Backend classes; fail the record if none is valid."""
-        impl = getattr(module, "yirage_backends", None)
-        if impl is None:
-            return record
-        try:
-            classes = list(impl() or [])
-        except Exception as exc:  # noqa: BLE001 - a plugin's hook must not take the host down
-            return replace(record, status="failed",
-                           error=f"plugin {record.name!r}: yirage_backends() raised {type(exc).__name__}: {exc}")
+        """Call this plugin's ``yirage_backends`` hookimpls; keep the valid classes."""
+        impls = [i for i in self.pm.hook.yirage_backends.get_hookimpls() if i.plugin is module]
+        classes: list[Any] = []
+        for impl in impls:
+            try:
+                classes += list(impl.function() or [])
+            except Exception as exc:  # noqa: BLE001 - a plugin's hook must not take the host down
+                return replace(record, status="failed",
+                               error=f"plugin {record.name!r}: yirage_backends() raised {type(exc).__name__}: {exc}")
         problems = [p for p in (validate_backend_class(cls, record.name) for cls in classes) if p]
         good = [cls for cls in classes if validate_backend_class(cls, record.name) is None]
         if problems:
@@ -149,7 +151,7 @@ class PluginSet:
             return record
         try:
             module = ep.load()
-        except Exception as exc:  # noqa: BLE001 - a crashing plugin is reported and skipped
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a crashing plugin is reported and skipped
             message = (
                 f"plugin {ep.name!r} from distribution {dist_name} {dist_version} "
                 f"failed to import: {type(exc).__name__}: {exc}"
@@ -160,16 +162,40 @@ class PluginSet:
             return record
         return self.add(module, ep.name, dist_name, dist_version)
 
-    def load_module_path(self, path: str) -> PluginRecord:
+    def load_module_path(self, path: str, known: list[str]) -> PluginRecord:
+        if any(r.module == path and r.status == "loaded" for r in self.records):
+            record = PluginRecord(path, path, "?", "?", "skipped", f"plugin module {path!r} is already loaded")
+            self.records.append(record)
+            return record
         try:
             module = importlib.import_module(path)
-        except Exception as exc:  # noqa: BLE001 - same policy as for entry points
+        except ModuleNotFoundError as exc:
+            if exc.name != path.split(".")[0] and exc.name != path:
+                message = f"plugin module {path!r} named in YIRAGE_PLUGINS failed to import: ModuleNotFoundError: {exc}"
+            else:
+                message = (
+                    f"YIRAGE_PLUGINS names {path!r}, which matches no installed plugin and no importable "
+                    f"module; installed plugins: {', '.join(known) or 'none'}"
+                )
+            logger.warning("%s", message)
+            record = PluginRecord(path, path, "?", "?", "failed", message)
+            self.records.append(record)
+            return record
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - same policy as for entry points
             message = f"plugin module {path!r} named in YIRAGE_PLUGINS failed to import: {type(exc).__name__}: {exc}"
             logger.warning("%s", message)
             record = PluginRecord(path, path, "?", "?", "failed", message)
             self.records.append(record)
             return record
         return self.add(module, path, "(YIRAGE_PLUGINS)", "")
+
+    def exclude(self, ep: metadata.EntryPoint, why: str) -> None:
+        """Record an installed plugin that the switches kept from loading."""
+        dist = getattr(ep, "dist", None)
+        self.records.append(PluginRecord(
+            ep.name, ep.value, _distribution_name(ep) or "?", dist.version if dist is not None else "?",
+            "excluded", why,
+        ))
 
 
 def _distribution_name(ep: metadata.EntryPoint) -> str:
@@ -193,23 +219,27 @@ def discover(environ: Mapping[str, str] | None = None) -> PluginSet:
     plugins.add(reference, "reference", CORE_DISTRIBUTION, _core_version())
 
     allow = _allow_list(env)
-    autoload = not _truthy(env.get("YIRAGE_DISABLE_PLUGIN_AUTOLOAD"))
+    wanted = {normalize(name) for name in allow or ()}
+    autoload = not env.get("YIRAGE_DISABLE_PLUGIN_AUTOLOAD")  # any non-empty value disables, as in pytest
     eps = sorted(
         metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP),
         key=lambda ep: (_distribution_name(ep) not in BUILTIN_DISTRIBUTIONS, _distribution_name(ep), ep.name),
     )
     matched: set[str] = set()
     for ep in eps:
-        names = {ep.name, _distribution_name(ep)}
+        names = {normalize(ep.name), normalize(_distribution_name(ep))}
         if allow is not None:
-            hit = names & set(allow)
+            hit = names & wanted
             if not hit:
+                plugins.exclude(ep, f"not named in YIRAGE_PLUGINS={env.get('YIRAGE_PLUGINS')!r}")
                 continue
             matched |= hit
         elif not autoload:
+            plugins.exclude(ep, "YIRAGE_DISABLE_PLUGIN_AUTOLOAD is set")
             continue
         plugins.load_entry_point(ep)
+    known = sorted({ep.name for ep in eps} | {_distribution_name(ep) for ep in eps})
     for name in allow or ():
-        if name not in matched and name != "reference":
-            plugins.load_module_path(name)
+        if normalize(name) not in matched and normalize(name) != "reference":
+            plugins.load_module_path(name, known)
     return plugins

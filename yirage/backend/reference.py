@@ -6,6 +6,8 @@ and is always available where torch is.
 
 from __future__ import annotations
 
+from typing import Any
+
 from yirage.backend.base import Availability, Backend, DeviceInfo, MemoryInfo
 from yirage.backend.hookspecs import hookimpl
 from yirage.backend.host import host_device_info, host_memory_info
@@ -32,6 +34,16 @@ class ReferenceBackend(Backend):
 
     def memory_info(self, index: int = 0) -> MemoryInfo:
         return host_memory_info()
+
+    kernel_dtypes = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
+
+    def compile(self, plan: Any, graph: Any) -> Any:
+        from yirage.graph.reference import run_reference
+
+        def run(inputs: Any) -> list[Any]:
+            return run_reference(graph, inputs)
+
+        return run
 
 
 @hookimpl

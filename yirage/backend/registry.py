@@ -40,7 +40,17 @@ class Registry:
                     logger.warning("%s", message)
                     self.conflicts.append(message)
                     continue
-                self._backends[cls.name] = cls()
+                try:
+                    backend = cls()
+                except Exception as exc:  # noqa: BLE001 - one broken backend must not hide the others
+                    message = (
+                        f"backend {cls.name!r} from plugin {record.name!r} ({record.distribution}) "
+                        f"could not be created: {type(exc).__name__}: {exc}"
+                    )
+                    logger.warning("%s", message)
+                    self.conflicts.append(message)
+                    continue
+                self._backends[cls.name] = backend
                 self._origin[cls.name] = record
             self._plugins = plugins
 
@@ -74,17 +84,25 @@ class Registry:
         return self._origin[name]
 
     def _unknown_message(self, name: str) -> str:
-        known = ", ".join(self.names()) or "(none)"
-        failed = [r for r in self.plugins.records if r.status in {"failed", "refused"}]
-        message = f"unknown backend {name!r}; known backends: {known}."
-        if any(r.name == name for r in failed):
-            record = next(r for r in failed if r.name == name)
-            message += f" The plugin that provides it did not load: {record.error}"
+        available = [b.name for b in self.backends() if b.availability().ok]
+        message = (
+            f"unknown backend {name!r}; available here: {', '.join(available) or 'none'} "
+            f"(all loaded: {', '.join(self.names())})."
+        )
+        records = [r for r in self.plugins.records if r.name == name and r.status != "loaded"]
+        if records:
+            record = records[0]
+            if record.status == "excluded":
+                message += (
+                    f" It is provided by the installed plugin {record.name!r} ({record.distribution} "
+                    f"{record.version}), which was not loaded: {record.error}."
+                )
+            else:
+                message += f" The plugin that provides it did not load: {record.error}"
         else:
             message += (
                 " Install the plugin that provides it (a distribution with an entry point "
-                "in the 'yirage.backends' group), or check YIRAGE_PLUGINS / "
-                "YIRAGE_DISABLE_PLUGIN_AUTOLOAD."
+                "in the 'yirage.backends' group)."
             )
         return message
 

@@ -50,6 +50,8 @@ class BackendType(metaclass=_BackendTypeMeta):
             return value
         member = cls._interned.get(value)
         if member is None:
+            if value not in registry():
+                raise UnknownBackendError(registry()._unknown_message(value))
             member = super().__new__(cls)
             object.__setattr__(member, "value", value)
             cls._interned[value] = member
@@ -57,6 +59,9 @@ class BackendType(metaclass=_BackendTypeMeta):
 
     def __setattr__(self, key: str, value: object) -> None:
         raise AttributeError("BackendType members are immutable")
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        return (BackendType, (self.value,))
 
     @property
     def name(self) -> str:
@@ -165,10 +170,14 @@ def _choose_auto(reg: Registry) -> Backend:
         "; ".join(f"{d.name}: {d.reason}" for d in passed) or "nothing",
     )
     if chosen.device_kind == "cpu":
+        excluded = [r.name for r in reg.plugins.records if r.status == "excluded"]
+        limited = ""
+        if excluded:
+            limited = f"; not loaded (YIRAGE_PLUGINS / YIRAGE_DISABLE_PLUGIN_AUTOLOAD): {', '.join(excluded)}"
         logger.warning(
-            "yirage auto selected %r, which runs on the host CPU: no accelerator backend is available "
-            "(`python -m yirage info` lists why)",
-            chosen.name,
+            "yirage auto selected %r, which runs on the host CPU: no loaded accelerator backend is available "
+            "(`python -m yirage info` lists why)%s",
+            chosen.name, limited,
         )
     return chosen
 
@@ -238,7 +247,11 @@ def is_backend_available(name: Any) -> bool:
 
 def get_backend_info(name: str | BackendType | None = None) -> dict[str, Any]:
     """Measured facts about a backend (the current one by default)."""
-    backend = current_backend() if name is None else registry().get(_normalize(name))
+    if name is None:
+        backend = current_backend()
+    else:
+        key = _normalize(name)
+        backend = resolve("auto") if key == "auto" else registry().get(key)
     return describe(backend)
 
 
@@ -259,9 +272,13 @@ def describe(backend: Backend) -> dict[str, Any]:
         "memory": None,
     }
     if avail.ok:
-        info["device_count"] = backend.device_count()
-        info["device"] = backend.device_info(0).as_dict()
-        info["memory"] = backend.memory_info(0).as_dict()
+        try:
+            info["device_count"] = backend.device_count()
+            info["device"] = backend.device_info(0).as_dict()
+            info["memory"] = backend.memory_info(0).as_dict()
+        except Exception as exc:  # noqa: BLE001 - report a failing driver query, keep describing the rest
+            logger.warning("describing backend %r failed", backend.name, exc_info=True)
+            info["error"] = f"describing the device failed: {type(exc).__name__}: {exc}"
     return info
 
 

@@ -8,7 +8,6 @@ CUDA (not a ROCm/HIP) build, so those devices go to their own backends.
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import yirage
@@ -19,15 +18,18 @@ YIRAGE_PLUGIN_API = 1
 NVIDIA_NAME = re.compile(r"\b(nvidia|geforce|tesla|quadro|titan|rtx|gtx|jetson|grace)\b", re.IGNORECASE)
 
 
+def nvidia_driver_loaded() -> bool:
+    """The NVIDIA kernel driver announces itself here (Linux)."""
+    return Path("/proc/driver/nvidia/version").exists()
+
+
 def nvidia_devices(facts: TorchCudaFacts) -> list[TorchDevice]:
+    """Devices with positive NVIDIA evidence: the NVIDIA driver, or an NVIDIA brand name."""
     if facts.hip_version or not facts.cuda_version:
         return []
+    if nvidia_driver_loaded():
+        return list(facts.devices)
     return [d for d in facts.devices if NVIDIA_NAME.search(d.name)]
-
-
-def _nvcc_note() -> str:
-    nvcc = shutil.which("nvcc")
-    return f"; nvcc is at {nvcc}, so generated CUDA source can still be compile-checked" if nvcc else ""
 
 
 class CUDABackend(yirage.Backend):
@@ -49,12 +51,11 @@ class CUDABackend(yirage.Backend):
                 "its devices are AMD or Hygon DCU, not NVIDIA",
             )
         if not facts.cuda_version:
-            loaded = Path("/proc/driver/nvidia").exists()
-            driver = "an NVIDIA driver is loaded" if loaded else "no NVIDIA driver is loaded"
+            driver = "an NVIDIA driver is loaded" if nvidia_driver_loaded() else "no NVIDIA driver is loaded"
             return yirage.Availability(
                 False,
                 f"torch {facts.torch_version} is a CPU-only build (torch.version.cuda is None) and {driver}; "
-                f"install a CUDA build of torch on a machine with an NVIDIA GPU{_nvcc_note()}",
+                "install a CUDA build of torch on a machine with an NVIDIA GPU",
             )
         if not facts.devices:
             extra = f": {facts.error}" if facts.error else ""
@@ -66,8 +67,9 @@ class CUDABackend(yirage.Backend):
             names = ", ".join(repr(d.name) for d in facts.devices)
             return yirage.Availability(
                 False,
-                f"torch.cuda devices ({names}) are not NVIDIA GPUs but a CUDA-compatible stack of another "
-                "vendor; use that vendor's backend",
+                f"torch.cuda devices ({names}) are not recognisably NVIDIA GPUs: no NVIDIA driver is loaded "
+                "(/proc/driver/nvidia is missing) and the names carry no NVIDIA brand; CUDA-compatible stacks "
+                "of other vendors (MetaX, Iluvatar) look like this: use that vendor's backend",
             )
         best = found[0]
         cap = f" (sm_{best.capability[0]}{best.capability[1]})" if best.capability else ""

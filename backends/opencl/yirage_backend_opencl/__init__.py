@@ -82,6 +82,10 @@ class OpenCLBackend(yirage.Backend):
             )
         return yirage.Availability(True, f"OpenCL device {where}")
 
+    def forget_probe(self) -> None:
+        super().forget_probe()
+        _devices.cache_clear()
+
     def device_count(self) -> int:
         return len(_devices()[0]) if self.availability().ok else 0
 
@@ -119,9 +123,10 @@ class OpenCLBackend(yirage.Backend):
         cl = importlib.import_module("pyopencl")
         device = self._device(index)
         if _type_name(cl, device) == "CPU":
-            host = host_memory_info()
-            total = min(device.global_mem_size, host.total)
-            return yirage.MemoryInfo(total, host.used, min(host.free or 0, total), "host RAM (psutil)")
+            # PoCL's global memory is a cap on host RAM: what is free is what the host has free
+            total = device.global_mem_size
+            free = min(host_memory_info().free or 0, total)
+            return yirage.MemoryInfo(total, total - free, free, "CL_DEVICE_GLOBAL_MEM_SIZE capped by host RAM (psutil)")
         # core OpenCL has no query for free device memory
         return yirage.MemoryInfo(device.global_mem_size, None, None, "CL_DEVICE_GLOBAL_MEM_SIZE")
 

@@ -1,0 +1,1 @@
+"""Fusion passes, the kernel IR and lowering from kernel graphs to plans."""

@@ -1,0 +1,135 @@
+"""Fusion: partition a kernel graph into groups, one fused kernel per group.
+
+A node is inlined into its consumer's group when it has exactly one live
+consumer and the group can absorb it:
+
+* pointwise ops fuse into pointwise consumers, into the rows of a row op
+  (prologue) and into the A operand of a matmul (prologue);
+* one anchor (matmul or row op) per group; pointwise consumers over the
+  anchor's whole output become its epilogue (``silu(a) * b + r`` is one
+  kernel, and so is ``matmul + residual``);
+* an RMSNorm reaching a matmul's A operand through multiplications (its
+  weight) fuses as a per-row scale applied after the matmul, as in Mirage;
+* embedding and attention are kernels of their own; RoPE's rotated operand
+  and matmul B operands are always read from memory.
+
+Everything else is materialized in a buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from yirage.graph.kernel_graph import KernelGraph, Node
+from yirage.graph.ops import OPS
+
+
+@dataclass
+class Group:
+    root: int
+    members: set[int] = field(default_factory=set)
+    anchor: int | None = None
+    rms: int | None = None  # an rms_norm fused into the anchor matmul as a row scale
+
+
+def kind(node: Node) -> str:
+    return "input" if node.op == "input" else OPS[node.op].kind
+
+
+def live_nodes(graph: KernelGraph) -> set[int]:
+    live: set[int] = set()
+    stack = list(graph.outputs)
+    while stack:
+        i = stack.pop()
+        if i not in live:
+            live.add(i)
+            stack.extend(graph.nodes[i].inputs)
+    return live
+
+
+def _a_dims(graph: KernelGraph, matmul: Node) -> tuple[int, ...]:
+    """The matmul's A operand as its prologue iterates it: batch + (M, K)."""
+    return matmul.dims[:-2] + graph.nodes[matmul.inputs[0]].dims[-2:]
+
+
+def _path_is_multiplicative(graph: KernelGraph, start: int, group: Group, users: dict[int, list[int]]) -> bool:
+    """From ``start`` to the group's matmul A operand: only mul, or div as the numerator."""
+    current = start
+    while len(users[current]) == 1:
+        nxt = users[current][0]
+        node = graph.nodes[nxt]
+        if nxt == group.anchor:
+            return node.inputs[0] == current and node.inputs[1] != current
+        if nxt not in group.members:
+            return False
+        if node.op == "mul" or (node.op == "div" and node.inputs[0] == current):
+            current = nxt
+            continue
+        return False
+    return False
+
+
+def _can_inline(graph: KernelGraph, n: Node, c: Node, group: Group, users: dict[int, list[int]]) -> str | None:
+    """How ``n`` joins ``c``'s group: "member", "anchor", "rms", or None."""
+    kn, kc = kind(n), kind(c)
+    root = graph.nodes[group.root]
+    if kn == "pointwise":
+        if kc == "pointwise":
+            if c.op == "rotary" and c.inputs[0] == n.id:
+                return None  # rotate_half reads its operand at another index: keep it in memory
+            return "member"
+        if kc == "row":
+            return "member"
+        if kc == "matmul":
+            is_a = c.inputs[0] == n.id and c.inputs[1] != n.id
+            return "member" if is_a and n.dims == _a_dims(graph, c) else None
+        return None
+    if kn in ("row", "matmul"):
+        if kc == "pointwise" and group.anchor is None and c.dims == n.dims == root.dims:
+            if c.op == "rotary" and c.inputs[0] == n.id:
+                return None
+            return "anchor"
+        if (
+            n.op == "rms_norm"
+            and group.rms is None
+            and group.anchor is not None
+            and graph.nodes[group.anchor].op == "matmul"
+            and (c.id == group.anchor or c.id in group.members)
+            and n.dims == _a_dims(graph, graph.nodes[group.anchor])
+            and _path_is_multiplicative(graph, n.id, group, users)
+        ):
+            return "rms"
+    return None
+
+
+def partition(graph: KernelGraph) -> list[Group]:
+    """Groups in execution order (by root id: nodes are topologically ordered)."""
+    live = live_nodes(graph)
+    users = {i: [u for u in us if u in live] for i, us in graph.consumers().items()}
+    outputs = set(graph.outputs)
+    group_of: dict[int, Group] = {}
+    groups: list[Group] = []
+    for n in reversed(graph.nodes):
+        if n.op == "input" or n.id not in live:
+            continue
+        group: Group | None = None
+        how = None
+        if n.id not in outputs and len(users[n.id]) == 1:
+            c = graph.nodes[users[n.id][0]]
+            candidate = group_of.get(c.id)
+            if candidate is not None:
+                how = _can_inline(graph, n, c, candidate, users)
+                if how is not None:
+                    group = candidate
+        if group is None:
+            group = Group(root=n.id)
+            groups.append(group)
+            if kind(n) != "pointwise":
+                group.anchor = n.id
+        elif how == "anchor":
+            group.anchor = n.id
+        elif how == "rms":
+            group.rms = n.id
+        group.members.add(n.id)
+        group_of[n.id] = group
+    return sorted(groups, key=lambda g: g.root)

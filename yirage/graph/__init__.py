@@ -1,0 +1,1 @@
+"""Kernel graphs: tensors, dtypes, the op table, validation, hashing, JSON."""

@@ -1,0 +1,308 @@
+"""KernelGraph: a small tensor program built op by op, Mirage-style.
+
+Every op checks its operands when it is added, so a wrong shape fails on the
+line that wrote it. A graph prints readably, hashes stably and round-trips
+through JSON; calling it compiles it for its backend (once) and runs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from yirage.graph.dtypes import DType, as_dtype, float32
+from yirage.graph.ops import OPS, GraphError, Operand, check_dims
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Node:
+    """One tensor of the graph and the op that makes it."""
+
+    id: int
+    op: str  # "input" or a key of OPS
+    inputs: tuple[int, ...]
+    attrs: dict[str, Any]
+    dims: tuple[int, ...]
+    dtype: DType
+    strides: tuple[int, ...] | None = None  # inputs only: the memory layout callers pass
+    name: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.name or f"t{self.id}"
+
+    def operand(self) -> Operand:
+        return Operand(self.label, self.dims, self.dtype)
+
+
+def contiguous_strides(dims: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(dims):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
+
+
+def check_dense_strides(dims: tuple[int, ...], strides: Any) -> tuple[int, ...]:
+    """Strides must describe a dense layout: a permutation of contiguous dims."""
+    try:
+        out = tuple(int(s) for s in strides)
+    except TypeError:
+        raise GraphError(f"strides must be a sequence of ints, got {strides!r}") from None
+    if len(out) != len(dims):
+        raise GraphError(f"strides {out} must have one entry per dim of {dims}")
+    big = sorted((s, d) for s, d in zip(out, dims, strict=True) if d > 1)
+    expected = 1
+    for s, d in big:
+        if s != expected:
+            raise GraphError(
+                f"strides {out} for dims {dims} do not describe a dense layout "
+                "(a permutation of the dims, stored without gaps), which is all yirage reads; "
+                "pass a .contiguous() tensor, or a transpose of one, and declare its strides"
+            )
+        expected *= d
+    return out
+
+
+class Tensor:
+    """A handle on one node of a KernelGraph; arithmetic operators add ops."""
+
+    __slots__ = ("graph", "id")
+
+    def __init__(self, graph: KernelGraph, node_id: int) -> None:
+        self.graph = graph
+        self.id = node_id
+
+    @property
+    def node(self) -> Node:
+        return self.graph.nodes[self.id]
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return self.node.dims
+
+    shape = dims
+
+    @property
+    def dtype(self) -> DType:
+        return self.node.dtype
+
+    @property
+    def num_dims(self) -> int:
+        return len(self.node.dims)
+
+    def dim(self, index: int) -> int:
+        return self.node.dims[index]
+
+    def __add__(self, other: Tensor) -> Tensor:
+        return self.graph.add(self, other)
+
+    def __sub__(self, other: Tensor) -> Tensor:
+        return self.graph.sub(self, other)
+
+    def __mul__(self, other: Tensor) -> Tensor:
+        return self.graph.mul(self, other)
+
+    def __truediv__(self, other: Tensor) -> Tensor:
+        return self.graph.div(self, other)
+
+    def __pow__(self, other: Tensor) -> Tensor:
+        return self.graph.pow(self, other)
+
+    def __matmul__(self, other: Tensor) -> Tensor:
+        return self.graph.matmul(self, other)
+
+    def __repr__(self) -> str:
+        node = self.node
+        return f"<Tensor {node.label} = {node.op} {node.dims} {node.dtype}>"
+
+
+@dataclass
+class KernelGraph:
+    """A tensor program: inputs, ops, marked outputs; see ``yr.new_kernel_graph``."""
+
+    backend: str | None = None
+    nodes: list[Node] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+    _executables: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False)
+
+    # -- building ----------------------------------------------------------
+    def new_input(
+        self, dims: Sequence[int], strides: Sequence[int] | None = None, dtype: Any = float32, name: str = ""
+    ) -> Tensor:
+        """A graph input; ``strides`` declares a dense non-contiguous layout (e.g. a transposed weight)."""
+        dims_t = check_dims(dims)
+        dtype = as_dtype(dtype)
+        strides_t = check_dense_strides(dims_t, strides) if strides is not None else contiguous_strides(dims_t)
+        return self._append("input", (), {}, dims_t, dtype, strides_t, name)
+
+    def mark_output(self, t: Tensor, strides: Sequence[int] | None = None) -> None:
+        self._own(t, "mark_output")
+        if strides is not None and tuple(strides) != contiguous_strides(t.dims):
+            raise GraphError(f"mark_output({t.node.label}): yirage writes contiguous outputs; omit strides")
+        if t.id in self.outputs:
+            raise GraphError(f"mark_output({t.node.label}): this tensor is already an output")
+        self.outputs.append(t.id)
+        self._executables.clear()
+
+    def matmul(self, a: Tensor, b: Tensor) -> Tensor: return self._op("matmul", a, b)
+    def reduction(self, t: Tensor, dim: int) -> Tensor: return self._op("reduction", t, dim=dim)
+    def exp(self, t: Tensor) -> Tensor: return self._op("exp", t)
+    def silu(self, t: Tensor) -> Tensor: return self._op("silu", t)
+    def gelu(self, t: Tensor) -> Tensor: return self._op("gelu", t)
+    def relu(self, t: Tensor) -> Tensor: return self._op("relu", t)
+    def sqrt(self, t: Tensor) -> Tensor: return self._op("sqrt", t)
+    def square(self, t: Tensor) -> Tensor: return self._op("square", t)
+    def add(self, a: Tensor, b: Tensor) -> Tensor: return self._op("add", a, b)
+    def sub(self, a: Tensor, b: Tensor) -> Tensor: return self._op("sub", a, b)
+    def mul(self, a: Tensor, b: Tensor) -> Tensor: return self._op("mul", a, b)
+    def div(self, a: Tensor, b: Tensor) -> Tensor: return self._op("div", a, b)
+    def pow(self, a: Tensor, b: Tensor) -> Tensor: return self._op("pow", a, b)
+    def softmax(self, t: Tensor, dim: int = -1) -> Tensor: return self._op("softmax", t, dim=dim)
+    def embedding(self, ids: Tensor, table: Tensor) -> Tensor: return self._op("embedding", ids, table)
+    def rotary(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor: return self._op("rotary", x, cos, sin)
+
+    def clamp(self, t: Tensor, min_val: float | None = None, max_val: float | None = None) -> Tensor:
+        lo = None if min_val is None else float(min_val)
+        hi = None if max_val is None else float(max_val)
+        return self._op("clamp", t, min_val=lo, max_val=hi)
+
+    def rms_norm(self, t: Tensor, normalized_shape: Sequence[int], eps: float = 1e-6) -> Tensor:
+        """x / sqrt(mean(x^2) + eps) over the last dim (no weight: multiply by one with ``mul``)."""
+        return self._op("rms_norm", t, normalized_shape=list(check_dims(normalized_shape, "normalized_shape")),
+                        eps=float(eps))
+
+    def attention(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor | None = None, scale: float | None = None
+    ) -> Tensor:
+        """Decode attention of one query per head over a KV cache (GQA when H_kv < H)."""
+        operands = (q, k_cache, v_cache) if lengths is None else (q, k_cache, v_cache, lengths)
+        return self._op("attention", *operands, scale=None if scale is None else float(scale))
+
+    def _own(self, t: Any, op: str) -> None:
+        if not isinstance(t, Tensor):
+            raise GraphError(f"{op}: expected a yirage Tensor of this graph, got {type(t).__name__}")
+        if t.graph is not self:
+            raise GraphError(f"{op}: {t.node.label} belongs to another KernelGraph")
+
+    def _op(self, op: str, *operands: Tensor, **attrs: Any) -> Tensor:
+        for t in operands:
+            self._own(t, op)
+        spec = OPS[op]
+        dims, dtype = spec.infer([t.node.operand() for t in operands], attrs)
+        return self._append(op, tuple(t.id for t in operands), attrs, dims, dtype, None, "")
+
+    def _append(self, op: str, inputs: tuple[int, ...], attrs: dict[str, Any], dims: tuple[int, ...],
+                dtype: DType, strides: tuple[int, ...] | None, name: str) -> Tensor:
+        if name and any(n.name == name for n in self.nodes):
+            raise GraphError(f"a tensor named {name!r} already exists in this graph")
+        self.nodes.append(Node(len(self.nodes), op, inputs, attrs, dims, dtype, strides, name))
+        self._executables.clear()
+        return Tensor(self, len(self.nodes) - 1)
+
+    # -- views ---------------------------------------------------------------
+    @property
+    def inputs(self) -> list[Node]:
+        return [n for n in self.nodes if n.op == "input"]
+
+    @property
+    def output_nodes(self) -> list[Node]:
+        return [self.nodes[i] for i in self.outputs]
+
+    def consumers(self) -> dict[int, list[int]]:
+        users: dict[int, list[int]] = {n.id: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                users[i].append(n.id)
+        return users
+
+    def __str__(self) -> str:
+        lines = [f"KernelGraph(backend={self.backend or 'default'})"]
+        for n in self.nodes:
+            if n.op == "input":
+                layout = "" if n.strides == contiguous_strides(n.dims) else f", strides={n.strides}"
+                lines.append(f"  {n.label} = input(dims={n.dims}, dtype={n.dtype}{layout})")
+                continue
+            args = [self.nodes[i].label for i in n.inputs]
+            args += [f"{k}={v}" for k, v in n.attrs.items() if v is not None]
+            lines.append(f"  {n.label} = {n.op}({', '.join(args)})  # {n.dims} {n.dtype}")
+        lines.append(f"  outputs: {', '.join(self.nodes[i].label for i in self.outputs) or '(none)'}")
+        return "\n".join(lines)
+
+    # -- identity ------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "nodes": [
+                {"op": n.op, "inputs": list(n.inputs), "attrs": n.attrs, "dims": list(n.dims),
+                 "dtype": n.dtype.name, **({"strides": list(n.strides)} if n.strides else {}),
+                 **({"name": n.name} if n.name else {})}
+                for n in self.nodes
+            ],
+            "outputs": list(self.outputs),
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @property
+    def digest(self) -> str:
+        """Content hash of the program (ops, dims, dtypes, layouts); not of the backend."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    def __hash__(self) -> int:
+        return int(self.digest[:16], 16)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KernelGraph) and self.to_json() == other.to_json()
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any], backend: str | None = None) -> KernelGraph:
+        """Rebuild a graph, re-validating every op as it is added."""
+        data = json.loads(text) if isinstance(text, str) else text
+        if data.get("format") != FORMAT_VERSION:
+            raise GraphError(f"unsupported kernel-graph JSON format {data.get('format')!r}; expected {FORMAT_VERSION}")
+        g = cls(backend=backend)
+        for i, raw in enumerate(data["nodes"]):
+            if raw["op"] == "input":
+                t = g.new_input(raw["dims"], raw.get("strides"), raw["dtype"], raw.get("name", ""))
+            else:
+                if raw["op"] not in OPS:
+                    raise GraphError(f"node {i}: unknown op {raw['op']!r}")
+                if any(not 0 <= j < i for j in raw["inputs"]):
+                    raise GraphError(f"node {i}: inputs {raw['inputs']} must refer to earlier nodes")
+                t = g._op(raw["op"], *(Tensor(g, j) for j in raw["inputs"]), **raw["attrs"])
+            if list(t.dims) != list(raw["dims"]) or t.dtype.name != raw["dtype"]:
+                raise GraphError(f"node {i}: recorded dims/dtype {raw['dims']} {raw['dtype']} disagree with the op")
+        for out in data["outputs"]:
+            g.mark_output(Tensor(g, out))
+        return g
+
+    # -- running -------------------------------------------------------------
+    def compile(self, backend: Any = None) -> Any:
+        """Fuse, generate and build for ``backend`` (else the graph's, else the default)."""
+        from yirage.runtime.executable import compile_graph
+
+        return compile_graph(self, backend if backend is not None else self.backend)
+
+    def run(self, inputs: Sequence[Any], backend: Any = None) -> list[Any]:
+        return self.compile(backend)(inputs)
+
+    def __call__(self, inputs: Sequence[Any] | None = None, *, backend: Any = None) -> list[Any]:
+        if inputs is None:
+            raise TypeError("call a KernelGraph as g(inputs=[tensor, ...]) with one torch tensor per input")
+        return self.run(inputs, backend)
+
+
+def new_kernel_graph(backend: Any = None) -> KernelGraph:
+    """Start a kernel graph; ``backend`` defaults to the process default at compile time."""
+    if backend is not None:
+        from yirage.backend.selection import resolve
+
+        backend = resolve(backend, "new_kernel_graph(backend=...)").name  # fail early, with the reason
+    return KernelGraph(backend=backend)

@@ -1,0 +1,1 @@
+"""Executables: compiled kernel graphs with input checking, per backend."""
