@@ -31,17 +31,19 @@ def broadcast_strides(buffer: Buffer, space: Sequence[int]) -> Dims:
 
 def coalesce(
     space: Sequence[int], strides: Sequence[Sequence[int]], keep: Sequence[int] = ()
-) -> tuple[Dims, list[Dims]]:
+) -> tuple[Dims, list[Dims], list[int]]:
     """Merge adjacent dims that every buffer walks as one; drop size-1 dims.
 
     ``keep`` lists axes that must survive unmerged (e.g. the axis a row
-    kernel reduces). Returns the new space and each buffer's new strides.
+    kernel reduces). Returns the new space, each buffer's new strides, and
+    for each new dim the original axis it starts at.
     """
     axes = [a for a, extent in enumerate(space) if extent > 1 or a in keep]
     if not axes:
-        return (1,), [(0,) for _ in strides]
+        return (1,), [(0,) for _ in strides], [len(space) - 1]
     new_space = [space[axes[0]]]
     new_strides = [[s[axes[0]]] for s in strides]
+    origin = [axes[0]]
     for prev, axis in zip(axes, axes[1:], strict=False):
         mergeable = axis not in keep and prev not in keep and all(
             s[prev] == s[axis] * space[axis] for s in strides
@@ -52,6 +54,7 @@ def coalesce(
                 ns[-1] = s[axis]
         else:
             new_space.append(space[axis])
+            origin.append(axis)
             for ns, s in zip(new_strides, strides, strict=True):
                 ns.append(s[axis])
-    return tuple(new_space), [tuple(ns) for ns in new_strides]
+    return tuple(new_space), [tuple(ns) for ns in new_strides], origin

@@ -201,6 +201,7 @@ class KernelGraph:
                 dtype: DType, strides: tuple[int, ...] | None, name: str) -> Tensor:
         if name and any(n.name == name for n in self.nodes):
             raise GraphError(f"a tensor named {name!r} already exists in this graph")
+        attrs = dict(sorted(attrs.items()))  # canonical: printing and JSON agree after a round trip
         self.nodes.append(Node(len(self.nodes), op, inputs, attrs, dims, dtype, strides, name))
         self._executables.clear()
         return Tensor(self, len(self.nodes) - 1)

@@ -256,8 +256,14 @@ for _name, _fn in {
     _register(OpSpec(_name, "pointwise", 1, infer_unary_float(_name), _fn))
 _register(OpSpec("relu", "pointwise", 1, infer_unary_any, lambda x: _t().relu(x)))
 _register(OpSpec("square", "pointwise", 1, infer_unary_any, lambda x: x * x))
-_register(OpSpec("clamp", "pointwise", 1, infer_clamp,
-                 lambda x, *, min_val, max_val: _t().clamp(x, min=min_val, max=max_val)))
+def _ref_clamp(x: Any, *, min_val: float | None, max_val: float | None) -> Any:
+    if not x.is_floating_point():  # integer bounds keep an integer tensor integer
+        min_val = None if min_val is None else int(min_val)
+        max_val = None if max_val is None else int(max_val)
+    return _t().clamp(x, min=min_val, max=max_val)
+
+
+_register(OpSpec("clamp", "pointwise", 1, infer_clamp, _ref_clamp))
 _register(OpSpec("add", "pointwise", 2, infer_binary("add"), lambda a, b: a + b))
 _register(OpSpec("sub", "pointwise", 2, infer_binary("sub"), lambda a, b: a - b))
 _register(OpSpec("mul", "pointwise", 2, infer_binary("mul"), lambda a, b: a * b))
@@ -265,7 +271,7 @@ _register(OpSpec("div", "pointwise", 2, infer_binary("div", float_only=True), la
 _register(OpSpec("pow", "pointwise", 2, infer_binary("pow", float_only=True), lambda a, b: _t().pow(a, b)))
 _register(OpSpec("rotary", "pointwise", 3, infer_rotary, lambda x, cos, sin: x * cos + _rotate_half(x) * sin))
 _register(OpSpec("matmul", "matmul", 2, infer_matmul, lambda a, b: _t().matmul(a, b)))
-_register(OpSpec("reduction", "row", 1, infer_reduction, lambda x, *, dim: x.sum(dim=dim, keepdim=True)))
+_register(OpSpec("reduction", "row", 1, infer_reduction, lambda x, *, dim: x.sum(dim=dim, keepdim=True, dtype=x.dtype)))
 _register(OpSpec("softmax", "row", 1, infer_softmax, lambda x, *, dim: _t().softmax(x, dim=dim)))
 _register(OpSpec(
     "rms_norm", "row", 1, infer_rms_norm,

@@ -6,6 +6,7 @@ Only ``probe`` imports numba, so ``import yirage`` stays light.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import yirage
 from yirage.backend.host import host_device_info, host_memory_info
@@ -47,6 +48,15 @@ class CPUBackend(yirage.Backend):
 
     def memory_info(self, index: int = 0) -> yirage.MemoryInfo:
         return host_memory_info()
+
+    kernel_dtypes = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
+
+    def compile(self, plan: Any, graph: Any) -> Any:
+        from yirage_backend_cpu.compile import compile_plan
+
+        self.require_available()
+        run, _ = compile_plan(plan, distribution_version("yirage-backend-cpu") or "source")
+        return run
 
 
 @yirage.hookimpl

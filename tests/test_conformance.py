@@ -1,0 +1,3 @@
+"""The shared backend conformance cases, run on every available backend."""
+
+from yirage.testing.conformance import *  # noqa: F403

@@ -1,0 +1,12 @@
+"""The backend conformance kit: helpers plus a pytest plugin (``--yirage-backend``).
+
+Plugin authors run the shared cases against their backend with::
+
+    pytest --pyargs yirage.testing.conformance --yirage-backend NAME
+"""
+
+from __future__ import annotations
+
+from yirage.testing.oracle import TOLERANCE, assert_matches_reference, random_inputs
+
+__all__ = ["TOLERANCE", "assert_matches_reference", "random_inputs"]
