@@ -130,6 +130,7 @@ class KernelGraph:
     nodes: list[Node] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
     _executables: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False)
+    _digest: str | None = field(default=None, repr=False, compare=False)
 
     # -- building ----------------------------------------------------------
     def new_input(
@@ -148,7 +149,7 @@ class KernelGraph:
         if t.id in self.outputs:
             raise GraphError(f"mark_output({t.node.label}): this tensor is already an output")
         self.outputs.append(t.id)
-        self._executables.clear()
+        self._changed()
 
     def matmul(self, a: Tensor, b: Tensor) -> Tensor: return self._op("matmul", a, b)
     def reduction(self, t: Tensor, dim: int) -> Tensor: return self._op("reduction", t, dim=dim)
@@ -203,8 +204,12 @@ class KernelGraph:
             raise GraphError(f"a tensor named {name!r} already exists in this graph")
         attrs = dict(sorted(attrs.items()))  # canonical: printing and JSON agree after a round trip
         self.nodes.append(Node(len(self.nodes), op, inputs, attrs, dims, dtype, strides, name))
-        self._executables.clear()
+        self._changed()
         return Tensor(self, len(self.nodes) - 1)
+
+    def _changed(self) -> None:
+        self._executables.clear()
+        self._digest = None
 
     # -- views ---------------------------------------------------------------
     @property
@@ -254,7 +259,9 @@ class KernelGraph:
     @property
     def digest(self) -> str:
         """Content hash of the program (ops, dims, dtypes, layouts); not of the backend."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()
+        if self._digest is None:
+            self._digest = hashlib.sha256(self.to_json().encode()).hexdigest()
+        return self._digest
 
     def __hash__(self) -> int:
         return int(self.digest[:16], 16)

@@ -32,11 +32,35 @@ class Executable:
         self._run = run
         self._device = backend.torch_device
         self._checks = []
+        self._fast = []
         for index, node in enumerate(graph.inputs):
             big = tuple(i for i, d in enumerate(node.dims) if d > 1)
             strides = node.strides or contiguous_strides(node.dims)
             self._checks.append((index, node.label, node.dims, node.dtype.torch, node.dtype.name,
                                  big, tuple(strides[i] for i in big)))
+            contiguous = tuple(strides[i] for i in big) == tuple(contiguous_strides(node.dims)[i] for i in big)
+            self._fast.append((node.dtype.torch, node.dims, contiguous, big, tuple(strides[i] for i in big)))
+        self._count = len(self._fast)
+        self._on_cpu = self._device == "cpu"
+
+    def _fast_ok(self, inputs: Sequence[Any]) -> bool:
+        """The common case in a few attribute reads; any doubt goes to ``check``."""
+        import torch
+
+        if type(inputs) not in (list, tuple) or len(inputs) != self._count:
+            return False
+        tensor = torch.Tensor
+        for t, (dtype, dims, contiguous, big, strides) in zip(inputs, self._fast, strict=True):
+            if not isinstance(t, tensor) or t.dtype is not dtype or t.shape != dims or t.requires_grad:
+                return False
+            if contiguous:
+                if not t.is_contiguous():
+                    return False
+            elif tuple(t.stride()[i] for i in big) != strides:
+                return False
+            if (not t.is_cpu) if self._on_cpu else t.device.type != self._device:
+                return False
+        return True
 
     def check(self, inputs: Sequence[Any]) -> None:
         import torch
@@ -72,7 +96,9 @@ class Executable:
                 )
 
     def __call__(self, inputs: Sequence[Any]) -> list[Any]:
-        self.check(inputs)
+        if not self._fast_ok(inputs):
+            self.check(inputs)  # raises with the precise cause
+            inputs = [t.detach() for t in inputs]  # compiled code reads values; autograd does not flow
         return self._run(inputs)
 
     def __repr__(self) -> str:
