@@ -1,0 +1,108 @@
+"""Fusion decisions: which patterns become one kernel, and what the IR says."""
+
+from __future__ import annotations
+
+import yirage as yr
+from yirage.compiler.kernel_ir import Call, Load, Matmul, Pointwise, Row, Var
+from yirage.compiler.lower import build_plan
+
+
+def kinds(g: yr.KernelGraph) -> list[str]:
+    return [type(k).__name__ for k in build_plan(g).kernels]
+
+
+def test_rmsnorm_weight_matmul_silu_is_one_kernel_dividing_after_the_matmul() -> None:
+    g = yr.new_kernel_graph()
+    x, gw, w = g.new_input((4, 64)), g.new_input((64,)), g.new_input((64, 32), strides=(1, 64))
+    g.mark_output(g.silu(g.matmul(g.mul(g.rms_norm(x, (64,)), gw), w)))
+    (k,) = build_plan(g).kernels
+    assert isinstance(k, Matmul)
+    assert k.a == Call("mul", (Load("in0"), Load("in1")))  # the prologue no longer normalizes
+    assert k.row_scale == Load("in0")  # sum of squares of x, taken in the same pass
+    assert k.epilogue == Call("silu", (Call("mul", (Var("acc"), Var("scale"))),))
+
+
+def test_swiglu_with_residual_is_one_pointwise_kernel() -> None:
+    g = yr.new_kernel_graph()
+    a, b, r = (g.new_input((2, 16)) for _ in range(3))
+    g.mark_output(g.add(g.mul(g.silu(a), b), r))
+    (k,) = build_plan(g).kernels
+    assert isinstance(k, Pointwise)
+    assert str(k.expr) == "add(mul(silu(in0), in1), in2)"
+
+
+def test_matmul_residual_is_an_epilogue() -> None:
+    g = yr.new_kernel_graph()
+    x, w, r = g.new_input((2, 8)), g.new_input((8, 4)), g.new_input((2, 4))
+    g.mark_output(g.add(g.matmul(x, w), r))
+    (k,) = build_plan(g).kernels
+    assert isinstance(k, Matmul) and k.epilogue == Call("add", (Var("acc"), Load("in2")))
+
+
+def test_rmsnorm_does_not_fuse_through_a_non_multiplicative_op() -> None:
+    g = yr.new_kernel_graph()
+    x, c, w = g.new_input((4, 64)), g.new_input((64,)), g.new_input((64, 8))
+    g.mark_output(g.matmul(g.add(g.rms_norm(x, (64,)), c), w))
+    assert kinds(g) == ["Row", "Matmul"]
+
+
+def test_a_shared_intermediate_is_materialized_once() -> None:
+    g = yr.new_kernel_graph()
+    x = g.new_input((4, 64))
+    n = g.rms_norm(x, (64,))
+    g.mark_output(g.exp(n))
+    g.mark_output(g.relu(n))
+    plan = build_plan(g)
+    assert [type(k).__name__ for k in plan.kernels] == ["Row", "Pointwise", "Pointwise"]
+    assert sum(1 for b in plan.buffers.values() if b.role == "temp") == 1
+
+
+def test_softmax_fuses_its_prologue_and_epilogue() -> None:
+    g = yr.new_kernel_graph()
+    x, y = g.new_input((4, 10)), g.new_input((4, 10))
+    g.mark_output(g.mul(g.softmax(g.add(x, y), -1), y))
+    (k,) = build_plan(g).kernels
+    assert isinstance(k, Row) and [r.combine for r in k.reductions] == ["max", "sum"]
+
+
+def test_two_matmuls_into_one_add_use_one_epilogue() -> None:
+    g = yr.new_kernel_graph()
+    x, w1, w2 = g.new_input((2, 8)), g.new_input((8, 4)), g.new_input((8, 4))
+    g.mark_output(g.add(g.matmul(x, w1), g.matmul(x, w2)))
+    assert kinds(g) == ["Matmul", "Matmul"]
+
+
+def test_rotary_reads_its_rotated_operand_from_memory() -> None:
+    g = yr.new_kernel_graph()
+    x, cos, sin = g.new_input((2, 8)), g.new_input((2, 8)), g.new_input((2, 8))
+    g.mark_output(g.rotary(g.exp(x), cos, sin))
+    assert kinds(g) == ["Pointwise", "Pointwise"]
+
+
+def test_dead_code_is_not_computed() -> None:
+    g = yr.new_kernel_graph()
+    x = g.new_input((3,))
+    g.exp(x)
+    g.mark_output(g.relu(x))
+    assert kinds(g) == ["Pointwise"]
+
+
+def test_an_output_in_the_middle_of_a_chain_is_stored() -> None:
+    g = yr.new_kernel_graph()
+    x = g.new_input((3,))
+    y = g.exp(x)
+    g.mark_output(y)
+    g.mark_output(g.relu(y))
+    plan = build_plan(g)
+    assert len(plan.kernels) == 2 and plan.outputs == ["out0", "out1"]
+
+
+def test_the_plan_prints_its_kernel_ir() -> None:
+    g = yr.new_kernel_graph()
+    x, w = g.new_input((4, 64)), g.new_input((64, 32), strides=(1, 64))
+    g.mark_output(g.matmul(g.rms_norm(x, (64,)), w))
+    text = str(build_plan(g))
+    assert "kernel k0 (matmul) -> out0" in text
+    assert "$scale[b, m] = rsqrt(sum_k square(in0) / 64 + 1e-06)" in text
+    assert "out0[b, m, n] = mul($acc, $scale)" in text
+    assert "buffer in1: input (64, 32) float32 strides=(1, 64)" in text
