@@ -13,11 +13,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numba
@@ -34,8 +37,11 @@ COLD_COPIES = 6  # 6 x 64 MiB weights: each B=1 call streams its weight from DRA
 STREAM_MIB = 256
 W2_SHAPES = ((1, 11008), (64, 11008), (1, 4096), (64, 4096))
 EAGER, COMPILED = "torch eager", "torch.compile"
+SUM_T, SUM_KN = "sum(W) (probe)", "sum(W row-major) (probe)"  # STREAM-like read of the very W copies the impls read
 
 Call = Callable[[int], Any]  # call number -> output; the number picks the weight copy for cold runs
+Maker = Callable[[], tuple[Call, float | None]]  # builds an impl: (call, yirage compile seconds or None)
+Inputs = Callable[[int], list[torch.Tensor]]
 
 
 @dataclass
@@ -55,71 +61,66 @@ def percentile(sorted_ns: list[int], q: float) -> float:
     return sorted_ns[min(len(sorted_ns) - 1, round(q * (len(sorted_ns) - 1)))] / 1e3
 
 
-def timed(impls: dict[str, Call], reps: int, warmup: int, inner: int = 1) -> dict[str, list[int]]:
-    """Per-call nanoseconds of each impl; one sample = `inner` calls, impls take turns sample by sample."""
+def timed(impls: dict[str, Call], reps: int, warmup: int, inner: int = 1
+          ) -> tuple[dict[str, list[int]], dict[str, float]]:
+    """Per-call nanoseconds of each impl, and its minor page faults per timed call (counted outside the timed
+    window); one sample = `inner` calls, impls take turns sample by sample. Impl j's call numbers are
+    rep * inner + j + k: with rotated weights every impl visits every copy, and consecutive calls differ."""
     samples: dict[str, list[int]] = {name: [] for name in impls}
-    counter = 0
+    faults = dict.fromkeys(impls, 0.0)
     gc.collect()
     gc.disable()
     try:
         for rep in range(warmup + reps):
-            for name, fn in impls.items():
+            for j, (name, fn) in enumerate(impls.items()):
+                base, before = rep * inner + j, resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 start = time.perf_counter_ns()
-                for _ in range(inner):
-                    fn(counter)
-                    counter += 1
+                for k in range(inner):
+                    fn(base + k)
                 elapsed = time.perf_counter_ns() - start
                 if rep >= warmup:
                     samples[name].append(elapsed // inner)
+                    faults[name] += (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / (reps * inner)
     finally:
         gc.enable()
-    return samples
+    return samples, faults
 
 
-def close(got: torch.Tensor, ref: torch.Tensor) -> None:
-    scale = max(1.0, float(ref.abs().max()))
-    torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3 * scale)
-
-
-def prepare(workload: str, case: str, makers: dict[str, Callable[[], tuple[Call, float | None]]],
-            ref: torch.Tensor) -> tuple[dict[str, Call], dict[str, Result]]:
-    """Build each impl, run it once, check it against `ref`; failures become Results with an error."""
+def measure(workload: str, case: str, makers: dict[str, Maker], ref: torch.Tensor, reps: int, warmup: int,
+            inner: int = 1, probes: dict[str, Call] | None = None) -> list[Result]:
+    """Build each impl, run it once and check it against `ref`, then time those that passed; a failure becomes a
+    Result with an error. `probes` (reference measurements, not impls) are timed alongside, unchecked."""
     ready: dict[str, Call] = {}
-    results: dict[str, Result] = {}
+    results = {name: Result(workload, case, name) for name in [*makers, *(probes or {})]}
     for name, make in makers.items():
-        res = results[name] = Result(workload, case, name)
-        start = time.perf_counter()
+        res, start = results[name], time.perf_counter()
         try:
             fn, compile_s = make()
             out = fn(0)
             res.setup_s = time.perf_counter() - start
-            close(out, ref)
+            torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3 * max(1.0, float(ref.abs().max())))
         except Exception as exc:  # noqa: BLE001 - a broken impl is reported, the others still run
-            res.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            res.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
             continue
         if compile_s is not None:
             res.extra["compile_s"] = compile_s
         ready[name] = fn
-    return ready, results
-
-
-def measure(workload: str, case: str, makers: dict[str, Callable[[], tuple[Call, float | None]]],
-            ref: torch.Tensor, reps: int, warmup: int, inner: int = 1) -> list[Result]:
-    ready, results = prepare(workload, case, makers, ref)
-    for name, ns in timed(ready, reps, warmup, inner).items():
+    ready.update(probes or {})
+    samples, faults = timed(ready, reps, warmup, inner)
+    for name, ns in samples.items():
         ns.sort()
         res = results[name]
+        res.extra["page_faults_per_call"] = faults[name]
         res.median_us, res.p10_us, res.p90_us = statistics.median(ns) / 1e3, percentile(ns, 0.1), percentile(ns, 0.9)
     for res in results.values():
         if res.impl.startswith("yirage") and res.median_us:
             for peer, key in ((EAGER, "vs_eager"), (COMPILED, "vs_compile")):
-                if results[peer].median_us:
-                    res.extra[key] = results[peer].median_us / res.median_us
+                if (peer_us := results[peer].median_us) is not None:
+                    res.extra[key] = peer_us / res.median_us
     return list(results.values())
 
 
-def yirage_maker(build: Callable[[yr.KernelGraph], None], inputs: Callable[[int], list[torch.Tensor]]
-                 ) -> Callable[[], tuple[Call, float | None]]:
+def yirage_maker(build: Callable[[yr.KernelGraph], None], inputs: Inputs) -> Maker:
     def make() -> tuple[Call, float | None]:
         g = yr.new_kernel_graph(backend="cpu")
         build(g)
@@ -128,39 +129,43 @@ def yirage_maker(build: Callable[[yr.KernelGraph], None], inputs: Callable[[int]
     return make
 
 
-def torch_maker(fn: Callable[..., torch.Tensor], inputs: Callable[[int], list[torch.Tensor]],
-                compiled: bool) -> Callable[[], tuple[Call, float | None]]:
+def torch_maker(fn: Callable[..., torch.Tensor], inputs: Inputs, compiled: bool) -> Maker:
     def make() -> tuple[Call, float | None]:
         f = torch.compile(fn, dynamic=False) if compiled else fn
         return (lambda i: f(*inputs(i))), None
     return make
 
 
-def rotate(x: torch.Tensor, g: torch.Tensor, ws: list[torch.Tensor]) -> Callable[[int], list[torch.Tensor]]:
+def rotate(x: torch.Tensor, g: torch.Tensor, ws: list[torch.Tensor]) -> Inputs:
     """Inputs for call number i: the weight copies in turn, so consecutive calls read different copies."""
     return lambda i: [x, g, ws[i % len(ws)]]
 
 
-def same(ins: list[torch.Tensor]) -> Callable[[int], list[torch.Tensor]]:
+def same(ins: list[torch.Tensor]) -> Inputs:
     return lambda i: ins
 
 
-def rms_linear(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def summed(ws: list[torch.Tensor]) -> Call:
+    """STREAM-like probe: read the weight copies in turn, as the W1 impls do."""
+    return lambda i: ws[i % len(ws)].sum()
+
+
+def rms_linear(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # W1's torch peer
     return torch.matmul(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * g, w)
 
 
-def swiglu(a: torch.Tensor, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+def swiglu(a: torch.Tensor, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:  # W2's
     return F.silu(a) * b + r
 
 
-def add(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def add(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:  # W3's
     return p + q
 
 
 def dram_bound(reps: int) -> float:
     """STREAM-like read bandwidth in GB/s: torch sum over a 256 MiB float32 tensor."""
     t = torch.ones(STREAM_MIB * 2**18)
-    ns = sorted(timed({"sum": lambda i: t.sum()}, reps, 3)["sum"])
+    ns = sorted(timed({"sum": lambda i: t.sum()}, reps, 3)[0]["sum"])
     return t.numel() * 4 / statistics.median(ns)
 
 
@@ -176,11 +181,11 @@ def bench_w1(reps: int, bound: float) -> list[Result]:
         def graph(strides: tuple[int, int] | None, b: int = batch) -> Callable[[yr.KernelGraph], None]:
             def build(g: yr.KernelGraph) -> None:
                 X, G = g.new_input((b, K)), g.new_input((K,))
-                W = g.new_input((K, N), strides=strides) if strides else g.new_input((K, N))
-                g.mark_output(g.matmul(g.mul(g.rms_norm(X, (K,), eps=EPS), G), W))
+                g.mark_output(g.matmul(g.mul(g.rms_norm(X, (K,), eps=EPS), G), g.new_input((K, N), strides=strides)))
             return build
 
         pre_t, row_major = rotate(x, gvec, w_t), rotate(x, gvec, w_kn)
+        probes = {SUM_T: summed(w_nk), SUM_KN: summed(w_kn)}
         makers = {
             "yirage (W pre-transposed)": yirage_maker(graph((1, N)), pre_t),
             "yirage (W row-major)": yirage_maker(graph(None), row_major),
@@ -189,15 +194,17 @@ def bench_w1(reps: int, bound: float) -> list[Result]:
         }
         case = f"B={batch} cold ({copies} x 64 MiB W)" if batch == 1 else f"B={batch}"
         n = reps if batch == 1 else max(5, reps * 2 // 3 if batch == 8 else reps // 2)
-        results = measure("W1 RMSNorm+Linear", case, makers, rms_linear(*pre_t(0)), n, warmup=max(6, n // 10))
-        for res in results:
-            if res.median_us:
-                if batch == 1:
-                    res.extra["gbps"] = K * N * 4 / (res.median_us * 1e3)
-                    res.extra["share_of_bound"] = res.extra["gbps"] / bound
-                res.extra["gflops"] = 2 * batch * K * N / (res.median_us * 1e3)
+        results = measure("W1 RMSNorm+Linear", case, makers, rms_linear(*pre_t(0)), n, warmup=max(6, n // 10),
+                          probes=probes if batch == 1 else None)
+        gbps = {r.impl: K * N * 4 / (r.median_us * 1e3) for r in results if r.median_us}  # W bytes per ns
+        for r in (r for r in results if r.impl in gbps):
+            if batch > 1:
+                r.extra["gflops"] = 2 * batch * K * N / (r.median_us or 1) / 1e3
+                continue
+            r.extra.update(gbps=gbps[r.impl], share_of_bound=gbps[r.impl] / bound)
+            if r.impl not in probes and (same_w := gbps.get(SUM_KN if "row-major" in r.impl else SUM_T)):
+                r.extra["share_of_sum_same_w"] = gbps[r.impl] / same_w
         out += results
-        del w_nk, w_t, w_kn
     return out
 
 
@@ -221,30 +228,34 @@ def bench_w2(reps: int) -> list[Result]:
 def bench_w3(reps: int, inner: int) -> list[Result]:
     p, q = torch.randn(16), torch.randn(16)
     pair = same([p, q])
-
-    def build(g: yr.KernelGraph) -> None:
-        g.mark_output(g.add(g.new_input((16,)), g.new_input((16,))))
-
-    makers: dict[str, Callable[[], tuple[Call, float | None]]] = {"yirage": yirage_maker(build, pair)}
-    makers[EAGER] = torch_maker(add, pair, compiled=False)
-    makers[COMPILED] = torch_maker(add, pair, compiled=True)
+    makers = {"yirage": yirage_maker(lambda g: g.mark_output(g.add(g.new_input((16,)), g.new_input((16,)))), pair),
+              EAGER: torch_maker(add, pair, compiled=False), COMPILED: torch_maker(add, pair, compiled=True)}
     return measure("W3 per-call overhead", "add 16+16", makers, p + q, reps, warmup=max(5, reps // 10), inner=inner)
 
 
 def config() -> dict[str, Any]:
     facts = system.host_facts()
+    nconfig: Any = numba.config
     try:
-        layer = numba.threading_layer()
+        layer: str = numba.threading_layer()
     except ValueError:  # no parallel kernel has run yet
-        layer = f"not initialized (preference {numba.config.THREADING_LAYER})"
+        layer = f"not initialized (preference {nconfig.THREADING_LAYER})"
     return {
         "cpu_model": system.cpu_model(), "physical_cores": facts["physical_cores"],
         "logical_cores": facts["logical_cores"], "caches": facts["caches"], "python": facts["python"],
         "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(), "numba": numba.__version__,
-        "numba_threads": numba.get_num_threads(), "numba_config_threads": numba.config.NUMBA_NUM_THREADS,
-        "numba_threading_layer": layer, "yirage": yr.__version__,
+        "numba_threads": numba.get_num_threads(), "numba_config_threads": nconfig.NUMBA_NUM_THREADS,
+        "numba_threading_layer": layer, "yirage": yr.__version__, "yirage_git": git_revision(),
     }
+
+
+def git_revision() -> str:
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent, check=False).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def fmt(value: float | None, spec: str = ".1f") -> str:
@@ -258,11 +269,13 @@ def verdict(ratio: float | None) -> str:
     return f"{ratio:.2f}x {word}"
 
 
-def print_tables(cfg: dict[str, Any], bound: float | None, results: list[Result]) -> None:
+def print_tables(cfg: dict[str, Any], bound: float | None, results: list[Result], quick: bool) -> None:
     print("configuration: " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
     if bound is not None:
-        print(f"DRAM read bound (torch sum over {STREAM_MIB} MiB, median): {bound:.1f} GB/s")
-    print(f"ratios = peer median / yirage median (>1: yirage faster); within {TIE}x = tie; times in µs\n")
+        print(f"DRAM read bound (STREAM-like torch sum over one {STREAM_MIB} MiB tensor, median): {bound:.1f} GB/s; "
+              "the sum(W) probe rows read the very weight copies W1 reads, interleaved with the impls")
+    print(f"ratios = peer median / yirage median (>1: yirage faster); within {TIE}x = tie; times in µs"
+          + (" (--quick: a smoke run, not a measurement)" if quick else "") + "\n")
     head = (f"{'case':<24} {'impl':<26} {'median':>9} {'p10':>9} {'p90':>9} {'setup s':>8} "
             f"{'eager/yr':>13} {'compile/yr':>13}  note")
     for workload in dict.fromkeys(r.workload for r in results):
@@ -271,14 +284,19 @@ def print_tables(cfg: dict[str, Any], bound: float | None, results: list[Result]
             if r.error:
                 print(f"{r.case:<24} {r.impl:<26} FAILED: {r.error[:200]}")
                 continue
-            e = r.extra
-            note = f"{e['gbps']:.1f} GB/s = {e['share_of_bound']:.0%} of bound" if "gbps" in e else ""
-            note = note or (f"{e['gflops']:.1f} GFLOP/s" if "gflops" in e else "")
-            if "compile_s" in e:
-                note += f"{'; ' if note else ''}yirage compile {e['compile_s']:.2f} s"
+            e, notes = r.extra, []
+            if "gbps" in e:
+                notes.append(f"{e['gbps']:.1f} GB/s = {e['share_of_bound']:.0%} of bound" + (
+                    f", {e['share_of_sum_same_w']:.0%} of sum(same W)" if "share_of_sum_same_w" in e else ""))
+            notes += [f"{e['gflops']:.1f} GFLOP/s"] if "gflops" in e else []
+            # fresh pages on every call: an allocator state that comes and goes between runs (bimodal figures)
+            faults = e.get("page_faults_per_call", 0)
+            notes += [f"{faults:.0f} page faults/call"] if faults >= 1 else []
+            notes += [f"yirage compile {e['compile_s']:.2f} s"] if "compile_s" in e else []
+            note = "; ".join(notes)
             print(f"{r.case:<24} {r.impl:<26} {fmt(r.median_us):>9} {fmt(r.p10_us):>9} {fmt(r.p90_us):>9} "
                   f"{fmt(r.setup_s, '.2f'):>8} {verdict(e.get('vs_eager')):>13} "
-                  f"{verdict(e.get('vs_compile')):>13}  {note}")
+                  f"{verdict(e.get('vs_compile')):>13}  {note}".rstrip())
         print()
 
 
@@ -290,22 +308,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(system.host_facts()["physical_cores"] or torch.get_num_threads())
     torch.manual_seed(0)
-    w1_reps, w2_reps, w3_reps, w3_inner = (8, 20, 10, 50) if args.quick else (60, 200, 100, 200)
+    w1_reps, w2_reps, w3_reps, w3_inner = (8, 20, 10, 50) if args.quick else (90, 300, 150, 200)
     bound = dram_bound(5 if args.quick else 30) if "w1" in args.workloads else None
-    results: list[Result] = []
-    if "w1" in args.workloads:
-        results += bench_w1(w1_reps, bound or 0.0)
-    if "w2" in args.workloads:
-        results += bench_w2(w2_reps)
-    if "w3" in args.workloads:
-        results += bench_w3(w3_reps, w3_inner)
+    benches: dict[str, Callable[[], list[Result]]] = {
+        "w1": lambda: bench_w1(w1_reps, bound or 0.0), "w2": lambda: bench_w2(w2_reps),
+        "w3": lambda: bench_w3(w3_reps, w3_inner)}
+    results = [res for name, bench in benches.items() if name in args.workloads for res in bench()]
     cfg = config()  # after the runs: numba's threading layer is known once a parallel kernel ran
     if args.json:
         json.dump({"config": cfg, "dram_bound_gbps": bound, "tie_below": TIE, "quick": args.quick,
                    "results": [asdict(r) for r in results]}, sys.stdout, indent=1)
         print()
     else:
-        print_tables(cfg, bound, results)
+        print_tables(cfg, bound, results, args.quick)
     return 0
 
 
