@@ -8,7 +8,8 @@ index wraparound checks, which otherwise block LLVM's vectorizer.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 from yirage.compiler.kernel_ir import (
     Buffer,
@@ -20,7 +21,7 @@ from yirage.compiler.kernel_ir import (
 )
 
 RENDERER_VERSION = "1"
-PARALLEL_MIN_WORK = 1 << 15  # below this many scalar ops, prange costs more than it saves
+PARALLEL_MIN_WORK = 1 << 16  # below this many weighted scalar ops, waking the thread pool costs more than it saves
 POINTWISE_CHUNK = 4096
 
 
@@ -140,13 +141,22 @@ def at(base: str, index: str, stride: int) -> str:
     return f"{base} + {index}" if stride == 1 else f"{base} + {index} * U({stride})"
 
 
-def signature(args: Sequence[Buffer]) -> str:
-    return "int64(" + ", ".join(f"{compute_type(b)}[::1]" for b in args) + ")"
+@contextmanager
+def kernel_def(emit: Emitter, name: str, args: Sequence[Buffer], parallel: bool) -> Iterator[Emitter]:
+    """Emit a kernel taking raw addresses; its body sees each buffer as a flat 1-D array.
 
-
-def decorator(args: Sequence[Buffer], parallel: bool) -> str:
-    return (f'@njit("{signature(args)}", parallel={parallel}, fastmath=True, error_model="numpy", '
-            f"nogil=True, cache=True)")
+    Passing ``tensor.data_ptr()`` ints costs a fraction of building numpy
+    views per call, which is most of a tiny graph's call overhead.
+    """
+    ints = ", ".join(["int64"] * len(args))
+    emit(f'@njit("int64({ints})", parallel={parallel}, fastmath=True, error_model="numpy", nogil=True, cache=True)')
+    emit(f"def {name}({', '.join(f'{b.name}_p' for b in args)}):")
+    emit.depth += 1
+    for b in args:
+        span = max(1, math.prod(b.dims))
+        emit(f"{b.name} = numba.carray(as_pointer({b.name}_p), ({span},), np.{compute_type(b)})")
+    yield emit
+    emit.depth -= 1
 
 
 def outer_loop(emit: Emitter, var: str, count: int, parallel: bool) -> Emitter:

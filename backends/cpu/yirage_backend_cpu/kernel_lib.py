@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 _F = np.float32
 
@@ -49,3 +51,15 @@ def dsilu(x):  # type: ignore[no-untyped-def]
 @njit(fastmath=True, inline="always", cache=True)
 def dgelu(x):  # type: ignore[no-untyped-def]
     return 0.5 * x * (1.0 + math.erf(x * 0.7071067811865476))
+
+
+@intrinsic
+def as_pointer(typingctx, address):  # type: ignore[no-untyped-def]
+    """An int64 address (``tensor.data_ptr()``) as a void pointer for ``numba.carray``."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+
+    return types.voidptr(address), codegen

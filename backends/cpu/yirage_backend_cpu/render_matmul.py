@@ -29,8 +29,8 @@ from yirage_backend_cpu.codegen import (
     compute_type,
     const,
     decompose,
-    decorator,
     expr_src,
+    kernel_def,
     offset,
     outer_loop,
     threads,
@@ -132,8 +132,7 @@ class MatmulRenderer:
             return self.render_gemm()
         k, emit = self.k, self.emit
         args = [self.buffers[k.out]] + [self.buffers[x] for x in self.names]
-        emit(decorator(args, self.parallel))
-        with emit.block(f"def {k.name}({', '.join(b.name for b in args)}):"):
+        with kernel_def(emit, k.name, args, self.parallel):
             self.prologue(allocate=True)
             if self.sbn == 1 and self.sbk != 1 and self.nb == 1:
                 self.split_k()
@@ -230,31 +229,33 @@ class MatmulRenderer:
         a_src = self.plain_a
         if self.plain_a is None or self.scale:
             lead = (["a_mat"] if self.plain_a is None else []) + (["v_sc"] if self.scale else [])
-            scratch = [Buffer(name, (1,), self.buffers[k.out].dtype, (1,), "temp") for name in lead]
-            emit(decorator(scratch + a_args, self.parallel))
-            with emit.block(f"def {k.name}_pro({', '.join([*lead] + [b.name for b in a_args])}):"):
+            sizes = {"a_mat": (self.nb * k.m * k.k,), "v_sc": (self.nb * k.m,)}
+            scratch = [Buffer(name, sizes[name], self.buffers[k.out].dtype, (1,), "temp") for name in lead]
+            with kernel_def(emit, f"{k.name}_pro", scratch + a_args, self.parallel):
                 self.prologue(allocate=False)
                 emit("return 0")
             emit("")
             emit("")
             if self.plain_a is None:
-                launch.append(f"{k.name}_a = np.empty({self.nb * k.m * k.k}, np.{ct})")
+                launch.append(f"T_{k.name}_a = torch.empty({self.nb * k.m * k.k}, dtype=torch.{ct})")
+                launch.append(f"{k.name}_a = T_{k.name}_a.data_ptr()")
                 a_src = f"{k.name}_a"
             if self.scale:
-                launch.append(f"{k.name}_sc = np.empty({self.nb * k.m}, np.{ct})")
+                launch.append(f"T_{k.name}_sc = torch.empty({self.nb * k.m}, dtype=torch.{ct})")
+                launch.append(f"{k.name}_sc = T_{k.name}_sc.data_ptr()")
             call = ([f"{k.name}_a"] if self.plain_a is None else []) + ([f"{k.name}_sc"] if self.scale else [])
             launch.append(f"{k.name}_pro({', '.join(call + [b.name for b in a_args])})")
         dims = k.batch + (k.m, k.k)
         b_dims = k.batch + (k.k, k.n)
         launch.append(
-            f"{k.name}_c = torch.matmul(torch.from_numpy({a_src}).view({dims}), "
-            f"torch.from_numpy({k.b}).as_strided({b_dims}, {self.b_strides})).numpy().reshape(-1)"
+            f"T_{k.name}_c = torch.matmul(T_{a_src}.view({dims}), T_{k.b}.as_strided({b_dims}, {self.b_strides}))"
         )
-        epi_args = [self.buffers[k.out], Buffer("c", (1,), self.buffers[k.out].dtype, (1,), "temp")]
-        epi_args += ([Buffer("v_sc", (1,), self.buffers[k.out].dtype, (1,), "temp")] if self.scale else [])
+        launch.append(f"{k.name}_c = T_{k.name}_c.data_ptr()")
+        dtype = self.buffers[k.out].dtype
+        epi_args = [self.buffers[k.out], Buffer("c", (self.nb * k.m * k.n,), dtype, (1,), "temp")]
+        epi_args += ([Buffer("v_sc", (self.nb * k.m,), dtype, (1,), "temp")] if self.scale else [])
         epi_args += [self.buffers[x] for x in self.epi_names]
-        emit(decorator(epi_args, self.parallel))
-        with emit.block(f"def {k.name}_epi({', '.join(b.name for b in epi_args)}):"):
+        with kernel_def(emit, f"{k.name}_epi", epi_args, self.parallel):
             with outer_loop(emit, "row", self.nb * k.m, self.parallel):
                 emit(f"bi = row // U({k.m})")
                 emit(f"mm = row - bi * U({k.m})")
