@@ -149,7 +149,21 @@ class MatmulRenderer:
         emit(f"part = np.zeros({parts * mn}, np.{ct})")
         with outer_loop(emit, "p", parts, self.parallel and parts > 1):
             emit("bb = U(0)")
-            with emit.block(f"for kk in range(p * U({k.k}) // U({parts}), (p + U(1)) * U({k.k}) // U({parts})):"):
+            emit(f"ka = p * U({k.k}) // U({parts})")
+            emit(f"kz = (p + U(1)) * U({k.k}) // U({parts})")
+            emit("k4 = ka + (kz - ka) // U(4) * U(4)")
+            # four rows of B per pass: the partial sums are read and written a quarter as often
+            with emit.block("for kk in range(ka, k4, U(4)):"):
+                for r in range(4):
+                    row = f"(kk + U({r}))" if r else "kk"
+                    emit(f"r{r} = {k.b}[{at('bb', row, self.sbk)}:][:{k.n}]")
+                with emit.block(f"for mm in range(U({k.m})):"):
+                    for r in range(4):
+                        emit(f"a{r} = {a_src}[mm * U({k.k}) + kk + U({r})]")
+                    emit(f"dst = part[p * U({mn}) + mm * U({k.n}):][:{k.n}]")
+                    with emit.block(f"for nn in range(U({k.n})):"):
+                        emit("dst[nn] += a0 * r0[nn] + a1 * r1[nn] + a2 * r2[nn] + a3 * r3[nn]")
+            with emit.block("for kk in range(k4, kz):"):
                 emit(f"brow = {k.b}[{at('bb', 'kk', self.sbk)}:][:{k.n}]")
                 with emit.block(f"for mm in range(U({k.m})):"):
                     emit(f"av = {a_src}[mm * U({k.k}) + kk]")
