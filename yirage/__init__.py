@@ -33,6 +33,7 @@ from yirage.graph.kernel_graph import KernelGraph, Tensor, new_kernel_graph
 from yirage.graph.ops import GraphError
 from yirage.graph.reference import run_reference
 from yirage.log import configure_from_environment as _configure_logging
+from yirage.persistent.kernel import PersistentKernel
 
 __version__ = "0.1.0"
 
@@ -52,6 +53,7 @@ __all__ = [
     "YirageError",
     "GraphError",
     "KernelGraph",
+    "PersistentKernel",
     "Tensor",
     "bfloat16",
     "float16",

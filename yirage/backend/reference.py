@@ -37,6 +37,14 @@ class ReferenceBackend(Backend):
 
     kernel_dtypes = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
 
+    def persistent_runtime(self, task_graph: Any, config: Any) -> Any:
+        from yirage.persistent.reference import ReferenceRuntime
+
+        return ReferenceRuntime(task_graph, config)
+
+    def default_config(self, device: DeviceInfo) -> dict[str, int]:
+        return {"num_workers": 1, "num_local_schedulers": 1}  # it runs one task at a time
+
     def compile(self, plan: Any, graph: Any) -> Any:
         from yirage.graph.reference import run_reference
 

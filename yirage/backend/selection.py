@@ -117,9 +117,9 @@ def read_environment() -> None:
     _requested, _requested_from = (value.lower(), "YIRAGE_BACKEND") if value else (None, "")
 
 
-def _normalize(name: str | BackendType) -> str:
-    if isinstance(name, BackendType):
-        return name.value
+def _normalize(name: str | BackendType | Backend) -> str:
+    if isinstance(name, (BackendType, Backend)):
+        return name.name if isinstance(name, Backend) else name.value
     if not isinstance(name, str):
         raise TypeError(f"a backend name must be a str such as 'cpu' or 'auto', not {type(name).__name__}")
     return name.strip().lower()

@@ -1,0 +1,129 @@
+"""InferEngine and generation (names as in the InfiniLM examples).
+
+``generate`` prefills the prompt in one batched pass, picks the first token,
+then hands the rest of the decode loop to a compiled PersistentKernel.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from yirage.models.llama import LlamaModel, ModelError
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    eos_token_id: int | tuple[int, ...] | None = None  # None: the model's; () : never stop early
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"need temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got {self}")
+
+
+@dataclass
+class GenerationResult:
+    tokens: Any  # (B, n) int64: the generated tokens, prompt excluded
+    ttft_ms: float
+    ms_per_token: float
+    tokens_per_s: float
+    backend: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class InferEngine:
+    """A Llama-family model from a Hugging Face directory, decoding on a yirage backend."""
+
+    def __init__(self, model_path: str | Path, backend: Any = None, dtype: Any = None,
+                 num_workers: int | None = None, num_local_schedulers: int | None = None) -> None:
+        from yirage.backend.selection import current_backend, resolve
+
+        self.backend = current_backend() if backend is None else resolve(backend, "InferEngine(backend=...)")
+        self.model = LlamaModel.from_pretrained(model_path, dtype)
+        self.num_workers, self.num_local_schedulers = num_workers, num_local_schedulers
+        self._decoders: dict[tuple[Any, ...], Any] = {}
+        self._tokens = self._step = None
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    def reset_cache(self, batch_size: int, max_len: int) -> None:
+        import torch
+
+        if batch_size < 1 or max_len < 2:
+            raise ValueError(f"need batch_size >= 1 and max_len >= 2, got {batch_size}, {max_len}")
+        self.model.reset_cache(batch_size, max_len)
+        self._tokens = torch.zeros(batch_size, max_len, dtype=torch.int64)
+        self._step = torch.zeros(batch_size, dtype=torch.int64)
+        self._decoders.clear()
+
+    def forward(self, input_ids: Any, positions: Any) -> Any:
+        return self.model.forward(input_ids, positions)
+
+    def _pick(self, logits: Any, config: GenerationConfig) -> Any:
+        import torch
+
+        if config.temperature == 0:
+            return torch.argmax(logits, dim=-1)
+        scores = logits / config.temperature
+        if config.top_k:
+            kth = torch.topk(scores, min(config.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, -1)
+        if config.top_p < 1:
+            sorted_probs, idx = torch.sort(probs, descending=True, dim=-1)
+            keep = torch.cumsum(sorted_probs, -1) - sorted_probs < config.top_p
+            probs = torch.zeros_like(probs).scatter(-1, idx, sorted_probs * keep)
+        gen = torch.Generator().manual_seed(config.seed)
+        return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=gen)[:, 0]
+
+    def generate(self, input_ids: Any, config: GenerationConfig | None = None) -> GenerationResult:
+        import torch
+
+        config = config or GenerationConfig()
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+            raise ModelError(f"input_ids must be a (batch, prompt_len) int tensor, got {tuple(input_ids.shape)} "
+                             f"{input_ids.dtype}")
+        batch, prompt = input_ids.shape
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab:
+            raise ModelError(f"input_ids must lie in [0, {self.config.vocab})")
+        eos = self.config.eos_token_id if config.eos_token_id is None else config.eos_token_id
+        eos_ids = (eos,) if isinstance(eos, int) else tuple(eos)
+        max_len = prompt + config.max_new_tokens + 1
+        self.reset_cache(batch, max_len)
+        start = time.perf_counter()
+        positions = torch.arange(prompt).expand(batch, prompt)
+        logits = self.forward(input_ids.to(torch.int64), positions)[:, -1]
+        first = self._pick(logits, config)
+        ttft = time.perf_counter() - start
+        self._tokens[:, :prompt] = input_ids
+        self._tokens[:, prompt] = first
+        self._step.fill_(prompt)
+        sampling = None if config.temperature == 0 else {
+            "temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p, "seed": config.seed}
+        compile_start = time.perf_counter()
+        decoder = self.model.build_decoder(self._step, self._tokens, backend=self.backend,
+                                           num_workers=self.num_workers,
+                                           num_local_schedulers=self.num_local_schedulers,
+                                           eos_token_id=list(eos_ids), sampling=sampling)
+        compile_s = time.perf_counter() - compile_start
+        decode_start = time.perf_counter()
+        steps = decoder(config.max_new_tokens - 1)
+        decode_s = time.perf_counter() - decode_start
+        generated = self._tokens[:, prompt:prompt + 1 + steps].clone()
+        per_token = decode_s / steps if steps else 0.0
+        return GenerationResult(
+            tokens=generated, ttft_ms=ttft * 1e3, ms_per_token=per_token * 1e3,
+            tokens_per_s=batch / per_token if per_token else 0.0, backend=self.backend.name,
+            timings={"compile_s": compile_s, "decode_s": decode_s, "steps": steps},
+        )

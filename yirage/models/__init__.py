@@ -1,0 +1,1 @@
+"""Model builders: Hugging Face checkpoints -> yirage PersistentKernels."""

@@ -1,0 +1,273 @@
+"""Llama-family models (Llama, Qwen2 with qkv bias, Mistral GQA) from a Hugging Face directory.
+
+Reads ``config.json`` and ``*.safetensors`` (sharded or not), keeps weights
+in their stored dtype (bf16/fp16 are widened to float32 in the kernels), and
+builds the decode step as a PersistentKernel. The prompt is prefilled in one
+batched pass with torch matmuls, filling the same KV caches the kernel uses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from yirage.errors import YirageError
+
+SUPPORTED = ("llama", "qwen2", "mistral")
+
+
+class ModelError(YirageError, ValueError):
+    """A model directory yirage cannot load; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    rope_theta: float
+    eps: float
+    tie_embeddings: bool
+    qkv_bias: bool
+    eos_token_id: tuple[int, ...]
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        kind = cfg.get("model_type")
+        if kind not in SUPPORTED:
+            raise ModelError(f"model_type {kind!r} is not supported; yirage loads {', '.join(SUPPORTED)}")
+        scaling = cfg.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+            raise ModelError(f"rope_scaling {scaling} is not supported yet; only plain RoPE (rope_theta)")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        return cls(
+            model_type=kind,
+            hidden=cfg["hidden_size"],
+            intermediate=cfg["intermediate_size"],
+            layers=cfg["num_hidden_layers"],
+            heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            vocab=cfg["vocab_size"],
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=kind == "qwen2" or bool(cfg.get("attention_bias", False)),
+            eos_token_id=tuple([] if eos is None else [eos] if isinstance(eos, int) else eos),
+        )
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def load_config(model_dir: str | Path) -> LlamaConfig:
+    path = Path(model_dir) / "config.json"
+    try:
+        return LlamaConfig.from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise ModelError(f"{path} does not exist: point model_path at a Hugging Face model directory") from None
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise ModelError(f"{path} is not a usable model config ({type(exc).__name__}: {exc})") from exc
+
+
+def load_weights(model_dir: str | Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"no *.safetensors files in {model_dir}; save the model with safe_serialization=True")
+    weights: dict[str, Any] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def rope_tables(config: LlamaConfig, positions: int) -> tuple[Any, Any]:
+    """HF-style cos/sin (positions, head_dim) in float32 (rotate_half convention)."""
+    import torch
+
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().contiguous(), emb.sin().contiguous()
+
+
+def divisor_near(n: int, target: int) -> int:
+    """The divisor of ``n`` closest to ``target`` (task counts must split columns evenly)."""
+    divisors = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    divisors += [n // d for d in divisors]
+    return min(divisors, key=lambda d: (abs(d - target), d))
+
+
+class LlamaModel:
+    """Weights in decode layout, KV caches, prefill in torch, decode as a PersistentKernel."""
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, Any], dtype: Any = None) -> None:
+        import torch
+
+        self.config = config
+        c = config
+        w = {k.removeprefix("model."): v for k, v in weights.items()}
+        cast = (lambda t: t.to(dtype).contiguous()) if dtype is not None else (lambda t: t.contiguous())
+
+        def get(name: str) -> Any:
+            try:
+                return w[name]
+            except KeyError:
+                raise ModelError(f"weight {name!r} is missing from the checkpoint") from None
+
+        self.embed = cast(get("embed_tokens.weight"))
+        self.norm = cast(get("norm.weight"))
+        lm = w.get("lm_head.weight")
+        self.lm_head = self.embed if (lm is None and c.tie_embeddings) else cast(lm if lm is not None else
+                                                                                 get("lm_head.weight"))
+        order = self._qkv_order()
+        self.blocks = []
+        for i in range(c.layers):
+            p = f"layers.{i}."
+            qkv = torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])[order]
+            block = {
+                "ln1": cast(get(p + "input_layernorm.weight")),
+                "qkv": cast(qkv),
+                "o": cast(get(p + "self_attn.o_proj.weight")),
+                "ln2": cast(get(p + "post_attention_layernorm.weight")),
+                "gate_up": cast(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
+                "down": cast(get(p + "mlp.down_proj.weight")),
+            }
+            if c.qkv_bias:
+                block["qkv_bias"] = cast(torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])[order])
+            self.blocks.append(block)
+        self.k_cache: list[Any] = []
+        self.v_cache: list[Any] = []
+        self.cos = self.sin = None
+
+    def _qkv_order(self) -> Any:
+        """Rows of cat(q, k, v) regrouped per kv head: [q heads of g | k_g | v_g] for each g."""
+        import torch
+
+        c, d = self.config, self.config.head_dim
+        q_rows, k0 = c.heads * d, c.heads * d
+        v0 = k0 + c.kv_heads * d
+        parts = []
+        for g in range(c.kv_heads):
+            parts.append(torch.arange(g * c.group * d, (g + 1) * c.group * d))
+            parts.append(torch.arange(k0 + g * d, k0 + (g + 1) * d))
+            parts.append(torch.arange(v0 + g * d, v0 + (g + 1) * d))
+        del q_rows
+        return torch.cat(parts)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, dtype: Any = None) -> LlamaModel:
+        return cls(load_config(model_dir), load_weights(model_dir), dtype)
+
+    def reset_cache(self, batch_size: int, max_len: int) -> None:
+        import torch
+
+        c = self.config
+        shape = (batch_size, c.kv_heads, max_len, c.head_dim)
+        self.k_cache = [torch.zeros(shape) for _ in range(c.layers)]
+        self.v_cache = [torch.zeros(shape) for _ in range(c.layers)]
+        self.cos, self.sin = rope_tables(c, max_len)
+
+    # -- prefill (and any multi-token forward) in torch ----------------------------------
+    def forward(self, input_ids: Any, positions: Any) -> Any:
+        """Logits (B, T, vocab) for ``input_ids`` at ``positions`` (B, T), writing the KV caches."""
+        import torch
+        import torch.nn.functional as F
+
+        c, d = self.config, self.config.head_dim
+        if not self.k_cache:
+            raise ModelError("call reset_cache(batch_size, max_len) before forward")
+        b, t = input_ids.shape
+        if positions.shape != (b, t) or int(positions.max()) >= self.k_cache[0].shape[2]:
+            raise ModelError(f"positions must be (B, T) = {(b, t)} within the cache length {self.k_cache[0].shape[2]}")
+        f32 = torch.float32
+        x = self.embed[input_ids].to(f32)
+        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # (B, T, 1, D)
+        for i, blk in enumerate(self.blocks):
+            h = F.rms_norm(x, (c.hidden,), blk["ln1"].to(f32), c.eps)
+            qkv = h @ blk["qkv"].to(f32).t()
+            if "qkv_bias" in blk:
+                qkv = qkv + blk["qkv_bias"].to(f32)
+            qkv = qkv.view(b, t, c.kv_heads, c.group + 2, d)
+            q, k, v = qkv[..., :c.group, :], qkv[..., c.group, :], qkv[..., c.group + 1, :]
+            rot = lambda z: torch.cat((-z[..., d // 2:], z[..., :d // 2]), dim=-1)  # noqa: E731
+            q = q * cos[..., None, :] + rot(q) * sin[..., None, :]
+            k = k * cos + rot(k) * sin
+            for row in range(b):
+                self.k_cache[i][row, :, positions[row]] = k[row].transpose(0, 1)
+                self.v_cache[i][row, :, positions[row]] = v[row].transpose(0, 1)
+            out = torch.empty(b, t, c.kv_heads, c.group, d)
+            for row in range(b):
+                end = int(positions[row].max()) + 1
+                keys, vals = self.k_cache[i][row, :, :end], self.v_cache[i][row, :, :end]  # (Hkv, S, D)
+                scores = torch.einsum("tgjd,gsd->tgjs", q[row], keys) / math.sqrt(d)
+                mask = torch.arange(end)[None, :] > positions[row][:, None]  # causal over cache positions
+                scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
+                out[row] = torch.einsum("tgjs,gsd->tgjd", torch.softmax(scores, -1), vals)
+            x = x + out.reshape(b, t, c.heads * d) @ blk["o"].to(f32).t()
+            h = F.rms_norm(x, (c.hidden,), blk["ln2"].to(f32), c.eps)
+            gu = h @ blk["gate_up"].to(f32).t()
+            x = x + (F.silu(gu[..., :c.intermediate]) * gu[..., c.intermediate:]) @ blk["down"].to(f32).t()
+        x = F.rms_norm(x, (c.hidden,), self.norm.to(f32), c.eps)
+        return x @ self.lm_head.to(f32).t()
+
+    # -- decode as a PersistentKernel ---------------------------------------------------------
+    def build_decoder(self, step: Any, tokens: Any, backend: Any = None, num_workers: int | None = None,
+                      num_local_schedulers: int | None = None, eos_token_id: Any = None,
+                      sampling: dict[str, Any] | None = None, profiler_tensor: Any = None, tasks: int = 16) -> Any:
+        """A PersistentKernel that decodes with these weights and caches (call reset_cache first)."""
+        import torch
+
+        from yirage.persistent.kernel import PersistentKernel
+
+        c, batch = self.config, tokens.shape[0]
+        if not self.k_cache or self.k_cache[0].shape[0] != batch:
+            raise ModelError("call reset_cache(batch_size, max_len) with the tokens' batch size first")
+        max_len = self.k_cache[0].shape[2]
+        pk = PersistentKernel(num_workers=num_workers, num_local_schedulers=num_local_schedulers,
+                              max_seq_length=max_len, eos_token_id=eos_token_id, meta_tensors=[step, tokens],
+                              profiler_tensor=profiler_tensor, backend=backend)
+        att = pk.attach_input
+        cos, sin = att(self.cos, "rope_cos"), att(self.sin, "rope_sin")
+        x = pk.new_tensor((batch, c.hidden), name="x0")
+        pk.embed_layer(pk.tokens_tensor, att(self.embed, "embed"), x, grid_dim=divisor_near(c.hidden, tasks))
+        qkv_cols = c.kv_heads * (c.group + 2) * c.head_dim
+        for i, blk in enumerate(self.blocks):
+            qkv = pk.new_tensor((batch, qkv_cols), name=f"qkv{i}")
+            bias = att(blk["qkv_bias"], f"qkv_bias{i}") if "qkv_bias" in blk else None
+            pk.rmsnorm_linear_layer(x, att(blk["ln1"], f"ln1_{i}"), att(blk["qkv"], f"wqkv{i}"), qkv,
+                                    grid_dim=divisor_near(qkv_cols, tasks), eps=c.eps, bias=bias)
+            attn = pk.new_tensor((batch, c.heads * c.head_dim), name=f"attn{i}")
+            pk.attention_layer(qkv, att(self.k_cache[i], f"k_cache{i}"), att(self.v_cache[i], f"v_cache{i}"),
+                               cos_pos_embed=cos, sin_pos_embed=sin, output=attn)
+            x_mid = pk.new_tensor((batch, c.hidden), name=f"x{i}_mid")
+            pk.linear_with_residual_layer(attn, att(blk["o"], f"wo{i}"), x, x_mid,
+                                          grid_dim=divisor_near(c.hidden, tasks))
+            gu = pk.new_tensor((batch, 2 * c.intermediate), name=f"gate_up{i}")
+            pk.rmsnorm_linear_layer(x_mid, att(blk["ln2"], f"ln2_{i}"), att(blk["gate_up"], f"wgu{i}"), gu,
+                                    grid_dim=divisor_near(2 * c.intermediate, tasks), eps=c.eps)
+            x = pk.new_tensor((batch, c.hidden), name=f"x{i + 1}")
+            pk.silu_mul_linear_with_residual_layer(gu, att(blk["down"], f"wdown{i}"), x_mid, x,
+                                                   grid_dim=divisor_near(c.hidden, tasks))
+        logits = pk.new_tensor((batch, c.vocab), name="logits")
+        lm_head = att(self.lm_head, "lm_head") if self.lm_head is not self.embed else pk.tensors["embed"]
+        pk.rmsnorm_linear_layer(x, att(self.norm, "final_norm"), lm_head, logits,
+                                grid_dim=divisor_near(c.vocab, 2 * tasks), eps=c.eps)
+        picked = pk.new_tensor((batch, 1), dtype=torch.int64, name="next_token")
+        if sampling:
+            pk.sampling_layer(logits, picked, **sampling)
+        else:
+            pk.argmax_layer(logits, picked)
+        return pk.compile()

@@ -1,0 +1,1 @@
+"""PersistentKernel: an LLM decode step as one task graph of workers' tasks and events."""

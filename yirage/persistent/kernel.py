@@ -1,0 +1,301 @@
+"""PersistentKernel: an LLM decode step as one task graph (Mirage MPK's API).
+
+Build it layer by layer (each layer becomes ``grid_dim`` tasks), ``compile()``
+it for a backend, then call it: it decodes until every sequence has produced
+``eos_token_id`` or reached ``max_seq_length``, appending tokens to the
+``tokens`` meta tensor and advancing ``step``.
+
+Decode-step contract: ``tokens[b, step[b]]`` is the token processed now;
+its key/value go to cache position ``step[b]``, attention covers positions
+``0..step[b]``, the chosen token is written to ``tokens[b, step[b] + 1]`` and
+``step[b]`` advances.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from yirage.errors import NotSupportedError
+from yirage.persistent.layers import Layer, LayerError, PKTensor, require, split_ok
+from yirage.persistent.task_graph import TaskGraph, build_task_graph
+
+_FLOATS = ("float32", "bfloat16", "float16")
+
+
+def _grid(grid_dim: Any) -> int:
+    dims = (grid_dim,) if isinstance(grid_dim, int) else tuple(grid_dim)
+    if not dims or any(not isinstance(d, int) or d < 1 for d in dims):
+        raise LayerError(f"grid_dim must be positive ints, e.g. (8, 1, 1); got {grid_dim!r}")
+    return math.prod(dims)
+
+
+class PersistentKernel:
+    """See the module docstring; the constructor matches Mirage's ``mi.PersistentKernel``."""
+
+    def __init__(
+        self,
+        world_size: int = 1,
+        mpi_rank: int = 0,
+        num_workers: int | None = None,
+        num_local_schedulers: int | None = None,
+        num_remote_schedulers: int = 0,
+        max_seq_length: int = 1024,
+        eos_token_id: int | Sequence[int] | None = None,
+        meta_tensors: Sequence[Any] | None = None,
+        profiler_tensor: Any = None,
+        spec_decode_config: Any = None,
+        backend: Any = None,
+    ) -> None:
+        from yirage.backend.selection import current_backend, resolve
+
+        self.backend = current_backend() if backend is None else resolve(backend, "PersistentKernel(backend=...)")
+        if world_size != 1 or mpi_rank != 0 or num_remote_schedulers:
+            raise NotSupportedError(
+                "multi-device PersistentKernels (world_size > 1, remote schedulers) are not supported yet; "
+                "use world_size=1, mpi_rank=0, num_remote_schedulers=0"
+            )
+        if spec_decode_config is not None:
+            raise NotSupportedError("speculative decoding is not supported yet; pass spec_decode_config=None")
+        if meta_tensors is None or len(meta_tensors) != 2:
+            raise LayerError("meta_tensors must be [step, tokens]: step (B,) int and tokens (B, max_seq_length) int64")
+        step, tokens = meta_tensors
+        import torch
+
+        if not (isinstance(step, torch.Tensor) and isinstance(tokens, torch.Tensor)):
+            raise LayerError("meta_tensors must be torch tensors [step, tokens]")
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
+            raise LayerError(f"tokens must be a (batch, max_seq_length) int tensor, got {tuple(tokens.shape)} "
+                             f"{tokens.dtype}")
+        if step.shape != (tokens.shape[0],) or step.dtype not in (torch.int32, torch.int64):
+            raise LayerError(f"step must be an int tensor of shape ({tokens.shape[0]},), got {tuple(step.shape)}")
+        if tokens.shape[1] < max_seq_length:
+            raise LayerError(f"tokens has {tokens.shape[1]} columns, fewer than max_seq_length={max_seq_length}")
+        self.batch = int(tokens.shape[0])
+        self.max_seq_length = int(max_seq_length)
+        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.eos_token_ids = [int(e) for e in eos]
+        self.step, self.tokens = step, tokens
+        self.num_workers = num_workers
+        self.num_local_schedulers = num_local_schedulers
+        self.profiler_tensor = profiler_tensor
+        self.tensors: dict[str, PKTensor] = {}
+        self.torch_tensors: dict[str, Any] = {}
+        self.layers: list[Layer] = []
+        self._written: set[str] = set()
+        self.task_graph: TaskGraph | None = None
+        self.runtime: Any = None
+        self.tokens_tensor = self._register("tokens", tuple(tokens.shape), str(tokens.dtype).removeprefix("torch."),
+                                            True, tokens)
+
+    # -- tensors -----------------------------------------------------------------
+    def _register(self, name: str, dims: tuple[int, ...], dtype: str, attached: bool, torch_tensor: Any) -> PKTensor:
+        if not name or name in self.tensors:
+            raise LayerError(f"tensor name {name!r} is empty or already used; give each tensor a unique name")
+        t = PKTensor(name, dims, dtype, attached, len(self.tensors))
+        self.tensors[name] = t
+        if torch_tensor is not None:
+            self.torch_tensors[name] = torch_tensor
+        return t
+
+    def attach_input(self, torch_tensor: Any, name: str) -> PKTensor:
+        """A tensor living in torch memory: weights, KV caches, RoPE tables."""
+        import torch
+
+        if not isinstance(torch_tensor, torch.Tensor):
+            raise LayerError(f"attach_input({name!r}): expected a torch.Tensor, got {type(torch_tensor).__name__}")
+        if torch_tensor.device.type != "cpu" and self.backend.torch_device == "cpu":
+            raise LayerError(f"attach_input({name!r}): the tensor is on {torch_tensor.device}; "
+                             f"backend {self.backend.name!r} reads CPU tensors")
+        if not torch_tensor.is_contiguous():
+            raise LayerError(f"attach_input({name!r}): pass a contiguous tensor (call .contiguous())")
+        dtype = str(torch_tensor.dtype).removeprefix("torch.")
+        return self._register(name, tuple(torch_tensor.shape), dtype, True, torch_tensor)
+
+    def new_tensor(
+        self, dims: Sequence[int], dtype: Any = "float32", name: str = "", io_category: str = ""
+    ) -> PKTensor:
+        """An intermediate the kernel owns; one layer must write it before others read it."""
+        dtype_name = getattr(dtype, "name", str(dtype).removeprefix("torch."))
+        dims_t = tuple(int(d) for d in dims)
+        if not dims_t or any(d < 1 for d in dims_t):
+            raise LayerError(f"new_tensor({name!r}): dims must be positive, got {tuple(dims)}")
+        if dtype_name not in _FLOATS + ("int64", "int32"):
+            raise LayerError(f"new_tensor({name!r}): unsupported dtype {dtype_name}")
+        return self._register(name or f"t{len(self.tensors)}", dims_t, dtype_name, False, None)
+
+    def _own(self, layer: str, role: str, t: Any) -> PKTensor:
+        if not isinstance(t, PKTensor) or self.tensors.get(t.name) is not t:
+            raise LayerError(f"{layer}: {role} must be a tensor of this PersistentKernel "
+                             f"(from attach_input or new_tensor), got {t!r}")
+        if not t.attached and t.name not in self._written:
+            raise LayerError(f"{layer}: {role} {t.name!r} is read before any layer writes it; "
+                             "add the layer that produces it first")
+        return t
+
+    def _add(self, kind: str, inputs: dict[str, PKTensor], output: PKTensor, tasks: int, **params: Any) -> None:
+        layer = f"{kind}_layer(output={getattr(output, 'name', output)!r})"
+        if not isinstance(output, PKTensor) or self.tensors.get(output.name) is not output:
+            raise LayerError(f"{layer}: output must be a tensor of this PersistentKernel")
+        if output.attached and output is not self.tokens_tensor:
+            raise LayerError(f"{layer}: output {output.name!r} is an attached input; write to a new_tensor")
+        if output.name in self._written:
+            raise LayerError(f"{layer}: {output.name!r} is already written by another layer; use a new tensor")
+        self.layers.append(Layer(kind, len(self.layers), inputs, output, tasks, params))
+        self._written.add(output.name)
+        self.task_graph = None
+
+    def _dims(self, layer: str, role: str, t: PKTensor, dims: tuple[int, ...], floats: bool = True) -> None:
+        require(t.dims == dims, layer, f"{role} {t.name!r} has dims {t.dims}, expected {dims}")
+        if floats:
+            require(t.dtype in _FLOATS, layer, f"{role} {t.name!r} has dtype {t.dtype}; expected one of {_FLOATS}")
+
+    # -- layers (one thin method each) ---------------------------------------------------
+    def embed_layer(self, input: PKTensor, weight: PKTensor, output: PKTensor, grid_dim: Any = 1,
+                    block_dim: Any = None) -> None:
+        name = "embed_layer"
+        input, weight = self._own(name, "input", input), self._own(name, "weight", weight)
+        require(input is self.tokens_tensor, name, "input must be the tokens meta tensor (the current token is read "
+                                                   "at tokens[b, step[b]])")
+        require(len(weight.dims) == 2, name, f"weight must be (vocab, hidden), got {weight.dims}")
+        self._dims(name, "output", output, (self.batch, weight.dims[1]))
+        tasks = _grid(grid_dim)
+        split_ok(name, weight.dims[1], tasks)
+        self._add("embed", {"input": input, "weight": weight}, output, tasks)
+
+    def rmsnorm_linear_layer(self, input: PKTensor, weight_norm: PKTensor, weight_linear: PKTensor,
+                             output: PKTensor, grid_dim: Any = 1, block_dim: Any = None, eps: float = 1e-6,
+                             bias: PKTensor | None = None) -> None:
+        """output = rms_norm(input) * weight_norm @ weight_linear.T (+ bias); weight_linear is (N, K)."""
+        name = "rmsnorm_linear_layer"
+        x = self._own(name, "input", input)
+        require(len(x.dims) == 2 and x.dims[0] == self.batch, name,
+                f"input must be (batch={self.batch}, K), got {x.dims}")
+        k = x.dims[1]
+        self._dims(name, "weight_norm", self._own(name, "weight_norm", weight_norm), (k,))
+        w = self._own(name, "weight_linear", weight_linear)
+        require(len(w.dims) == 2 and w.dims[1] == k, name,
+                f"weight_linear must be (N, {k}) like nn.Linear, got {w.dims}")
+        self._dims(name, "output", output, (self.batch, w.dims[0]))
+        inputs = {"input": x, "weight_norm": weight_norm, "weight_linear": w}
+        if bias is not None:
+            self._dims(name, "bias", self._own(name, "bias", bias), (w.dims[0],))
+            inputs["bias"] = bias
+        tasks = _grid(grid_dim)
+        split_ok(name, w.dims[0], tasks)
+        require(eps >= 0, name, f"eps={eps} must be >= 0")
+        self._add("rmsnorm_linear", inputs, output, tasks, eps=float(eps))
+
+    def attention_layer(self, input: PKTensor, k_cache: PKTensor, v_cache: PKTensor, q_norm: Any = None,
+                        k_norm: Any = None, cos_pos_embed: PKTensor | None = None,
+                        sin_pos_embed: PKTensor | None = None, output: PKTensor | None = None,
+                        grid_dim: Any = None, block_dim: Any = None) -> None:
+        """Decode attention with RoPE over a KV cache (GQA).
+
+        ``input`` holds q, k, v per kv group: for group g the columns
+        ``[q heads of g | k_g | v_g]``, each head ``head_dim`` wide (the model
+        builder permutes the QKV weight rows into this layout).
+        """
+        name = "attention_layer"
+        if q_norm is not None or k_norm is not None:
+            raise NotSupportedError(f"{name}: q_norm/k_norm (Qwen3-style) are not supported yet; pass None")
+        x = self._own(name, "input", input)
+        kc, vc = self._own(name, "k_cache", k_cache), self._own(name, "v_cache", v_cache)
+        require(cos_pos_embed is not None and sin_pos_embed is not None, name, "cos_pos_embed and sin_pos_embed "
+                                                                              "are required (RoPE)")
+        cos, sin = self._own(name, "cos_pos_embed", cos_pos_embed), self._own(name, "sin_pos_embed", sin_pos_embed)
+        require(len(kc.dims) == 4 and kc.dims == vc.dims and kc.dims[0] == self.batch, name,
+                f"k_cache and v_cache must both be (batch={self.batch}, kv_heads, max_seq_length, head_dim), "
+                f"got {kc.dims} and {vc.dims}")
+        _, kv_heads, seq, head_dim = kc.dims
+        require(seq >= self.max_seq_length, name, f"the caches hold {seq} positions < max_seq_length")
+        require(cos.dims == sin.dims == (seq, head_dim), name,
+                f"cos/sin_pos_embed must be ({seq}, {head_dim}), got {cos.dims} and {sin.dims}")
+        require(len(x.dims) == 2 and x.dims[0] == self.batch and x.dims[1] % (kv_heads * head_dim) == 0, name,
+                f"input must be (batch, kv_heads * (group + 2) * head_dim), got {x.dims}")
+        group = x.dims[1] // (kv_heads * head_dim) - 2
+        require(group >= 1, name, f"input {x.dims} is too narrow for q, k and v of {kv_heads} kv heads")
+        assert output is not None
+        self._dims(name, "output", output, (self.batch, kv_heads * group * head_dim))
+        tasks = self.batch * kv_heads
+        if grid_dim is not None:
+            require(_grid(grid_dim) == tasks, name, f"grid_dim must be (batch, kv_heads, 1) = ({self.batch}, "
+                                                    f"{kv_heads}, 1), got {grid_dim}")
+        self._add("attention", {"input": x, "k_cache": kc, "v_cache": vc, "cos": cos, "sin": sin}, output, tasks,
+                  kv_heads=kv_heads, group=group, head_dim=head_dim)
+
+    def linear_with_residual_layer(self, input: PKTensor, weight: PKTensor, residual: PKTensor, output: PKTensor,
+                                   grid_dim: Any = 1, block_dim: Any = None) -> None:
+        self._linear_residual("linear_with_residual", input, weight, residual, output, grid_dim, 1)
+
+    def silu_mul_linear_with_residual_layer(self, input: PKTensor, weight: PKTensor, residual: PKTensor,
+                                            output: PKTensor, grid_dim: Any = 1, block_dim: Any = None) -> None:
+        """output = (silu(gate) * up) @ weight.T + residual, with input = [gate | up]."""
+        self._linear_residual("silu_mul_linear_with_residual", input, weight, residual, output, grid_dim, 2)
+
+    def _linear_residual(self, kind: str, input: PKTensor, weight: PKTensor, residual: PKTensor, output: PKTensor,
+                         grid_dim: Any, widen: int) -> None:
+        name = f"{kind}_layer"
+        x, w = self._own(name, "input", input), self._own(name, "weight", weight)
+        r = self._own(name, "residual", residual)
+        require(len(w.dims) == 2, name, f"weight must be (N, K) like nn.Linear, got {w.dims}")
+        self._dims(name, "input", x, (self.batch, w.dims[1] * widen))
+        self._dims(name, "residual", r, (self.batch, w.dims[0]))
+        self._dims(name, "output", output, (self.batch, w.dims[0]))
+        tasks = _grid(grid_dim)
+        split_ok(name, w.dims[0], tasks)
+        self._add(kind, {"input": x, "weight": w, "residual": r}, output, tasks)
+
+    def argmax_layer(self, input: PKTensor, output: PKTensor, grid_dim: Any = 1, block_dim: Any = None) -> None:
+        """Greedy decoding: output[b, 0] = argmax of the logits row (first index on ties)."""
+        self._picker("argmax", input, output, {})
+
+    def sampling_layer(self, input: PKTensor, output: PKTensor, temperature: float = 1.0, top_k: int = 0,
+                       top_p: float = 1.0, seed: int = 0, grid_dim: Any = 1, block_dim: Any = None) -> None:
+        """Sample from softmax(logits / temperature) restricted to top_k and nucleus top_p."""
+        require(temperature > 0, "sampling_layer", f"temperature={temperature} must be > 0 (use argmax_layer for 0)")
+        require(top_k >= 0 and 0 < top_p <= 1, "sampling_layer", f"need top_k >= 0 and 0 < top_p <= 1, got "
+                                                                 f"top_k={top_k}, top_p={top_p}")
+        self._picker("sample", input, output, {"temperature": float(temperature), "top_k": int(top_k),
+                                               "top_p": float(top_p), "seed": int(seed)})
+
+    def _picker(self, kind: str, input: PKTensor, output: PKTensor, params: dict[str, Any]) -> None:
+        name = f"{kind}_layer"
+        x = self._own(name, "input", input)
+        require(len(x.dims) == 2 and x.dims[0] == self.batch, name, f"input must be (batch, vocab), got {x.dims}")
+        self._dims(name, "output", output, (self.batch, 1), floats=False)
+        require(output.dtype in ("int64", "int32"), name, f"output must be an int tensor, got {output.dtype}")
+        self._add(kind, {"input": x}, output, 1, **params)
+
+    # -- compile and run ---------------------------------------------------------------
+    def compile(self) -> PersistentKernel:
+        if not self.layers or self.layers[-1].kind not in ("argmax", "sample"):
+            raise LayerError("the last layer must be argmax_layer or sampling_layer: it picks the next token")
+        self.task_graph = build_task_graph(self.layers)
+        self.runtime = self.backend.persistent_runtime(self, self._config())
+        return self
+
+    def _config(self) -> dict[str, int]:
+        config = {}
+        try:
+            config = dict(self.backend.default_config(self.backend.device_info(0)))
+        except NotSupportedError:
+            config = {"num_workers": 1, "num_local_schedulers": 1}
+        if self.num_workers is not None:
+            config["num_workers"] = int(self.num_workers)
+        if self.num_local_schedulers is not None:
+            config["num_local_schedulers"] = int(self.num_local_schedulers)
+        if config["num_workers"] < 1 or config["num_local_schedulers"] < 1:
+            raise LayerError(f"num_workers and num_local_schedulers must be >= 1, got {config}")
+        return config
+
+    def __call__(self, max_new_tokens: int | None = None) -> int:
+        """Decode until EOS or max_seq_length (or ``max_new_tokens`` steps); returns steps run."""
+        if self.runtime is None:
+            self.compile()
+        return int(self.runtime.run(max_new_tokens))
+
+    def __str__(self) -> str:
+        graph = self.task_graph.summary() if self.task_graph else "(not compiled)"
+        return f"PersistentKernel on {self.backend.name}, batch {self.batch}\n{graph}"
