@@ -44,9 +44,11 @@ class LlamaConfig:
         kind = cfg.get("model_type")
         if kind not in SUPPORTED:
             raise ModelError(f"model_type {kind!r} is not supported; yirage loads {', '.join(SUPPORTED)}")
-        scaling = cfg.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ModelError(f"rope_scaling {scaling} is not supported yet; only plain RoPE (rope_theta)")
+        rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5 keeps RoPE settings here
+        scaling = cfg.get("rope_scaling") or rope
+        if scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+            raise ModelError(f"RoPE scaling {scaling} is not supported yet; only plain RoPE (rope_theta)")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         return cls(
@@ -58,7 +60,7 @@ class LlamaConfig:
             kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             vocab=cfg["vocab_size"],
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=float(theta),
             eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=kind == "qwen2" or bool(cfg.get("attention_bias", False)),

@@ -1,0 +1,198 @@
+"""PersistentKernel and Llama-family generation, checked against Hugging Face transformers.
+
+Models are built from configs with random weights and saved with
+safetensors to a temp dir (no hub). The PersistentKernel runs on every
+backend that has a persistent runtime; others report why they are skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import yirage as yr
+from yirage.engine import GenerationConfig, InferEngine
+from yirage.persistent.layers import LayerError
+
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = {
+    "llama-gqa": lambda: transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        vocab_size=320, tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6),
+    "qwen2-bias-tied": lambda: transformers.Qwen2Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=288, tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-5),
+    "mistral-gqa": lambda: transformers.MistralConfig(
+        hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+        vocab_size=256, tie_word_embeddings=False, sliding_window=None, rms_norm_eps=1e-5),
+}
+
+
+def make_model(kind: str, tmp_path, dtype=torch.float32):
+    torch.manual_seed(1)
+    config = CONFIGS[kind]()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    oracle = model.float()  # transformers runs in float32 on the (possibly rounded) weights
+    oracle.generation_config.eos_token_id = None
+    return oracle
+
+
+def persistent_backends() -> list[str]:
+    names = []
+    for backend in yr.get_available_backends():
+        names.append(backend.value)
+    return names
+
+
+@pytest.fixture(params=persistent_backends())
+def pk_backend(request) -> str:
+    from yirage.backend.selection import registry
+
+    backend = registry().get(request.param)
+    if type(backend).persistent_runtime is yr.Backend.persistent_runtime:
+        pytest.skip(f"backend {request.param!r} has no PersistentKernel runtime yet")
+    return request.param
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_greedy_tokens_match_transformers(kind, tmp_path, pk_backend) -> None:
+    oracle = make_model(kind, tmp_path)
+    ids = torch.randint(0, oracle.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = oracle.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+    result = InferEngine(tmp_path, backend=pk_backend).generate(ids, GenerationConfig(max_new_tokens=32,
+                                                                                      eos_token_id=()))
+    assert result.tokens.tolist() == expected[:, 7:].tolist()
+    assert result.backend == pk_backend and result.tokens_per_s > 0 and result.ttft_ms > 0
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_prefill_logits_match_transformers(kind, tmp_path) -> None:
+    oracle = make_model(kind, tmp_path)
+    ids = torch.randint(0, oracle.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    engine = InferEngine(tmp_path, backend="reference")
+    engine.reset_cache(2, 16)
+    ours = engine.forward(ids, torch.arange(9).expand(2, 9))
+    with torch.no_grad():
+        theirs = oracle(ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_weights_stay_half_and_match(dtype, tmp_path, pk_backend) -> None:
+    oracle = make_model("llama-gqa", tmp_path, dtype=dtype)
+    engine = InferEngine(tmp_path, backend=pk_backend)
+    assert engine.model.blocks[0]["qkv"].dtype == dtype  # kept narrow in memory: half the bytes per token
+    ids = torch.randint(0, 320, (1, 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = oracle.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+    result = engine.generate(ids, GenerationConfig(max_new_tokens=32, eos_token_id=()))
+    assert result.tokens.tolist() == expected[:, 5:].tolist()
+
+
+def test_generation_stops_at_eos(tmp_path) -> None:
+    make_model("llama-gqa", tmp_path)
+    engine = InferEngine(tmp_path, backend="reference")
+    ids = torch.randint(0, 320, (1, 5), generator=torch.Generator().manual_seed(5))
+    free = engine.generate(ids, GenerationConfig(max_new_tokens=12, eos_token_id=())).tokens[0].tolist()
+    stop_at = free[4]
+    stopped = engine.generate(ids, GenerationConfig(max_new_tokens=12, eos_token_id=stop_at)).tokens[0].tolist()
+    assert stopped == free[:free.index(stop_at) + 1]
+
+
+def test_sampling_is_seeded_and_tiny_temperature_is_greedy(tmp_path) -> None:
+    make_model("llama-gqa", tmp_path)
+    engine = InferEngine(tmp_path, backend="reference")
+    ids = torch.randint(0, 320, (1, 5), generator=torch.Generator().manual_seed(6))
+    greedy = engine.generate(ids, GenerationConfig(max_new_tokens=8, eos_token_id=())).tokens
+    cold = engine.generate(ids, GenerationConfig(max_new_tokens=8, temperature=1e-4, eos_token_id=())).tokens
+    assert torch.equal(greedy, cold)
+    hot = GenerationConfig(max_new_tokens=16, temperature=1.5, top_k=50, top_p=0.9, seed=7, eos_token_id=())
+    assert torch.equal(engine.generate(ids, hot).tokens, engine.generate(ids, hot).tokens)
+    other = GenerationConfig(max_new_tokens=16, temperature=1.5, top_k=50, top_p=0.9, seed=8, eos_token_id=())
+    assert not torch.equal(engine.generate(ids, hot).tokens, engine.generate(ids, other).tokens)
+
+
+# -- the PersistentKernel API ------------------------------------------------------------------
+
+
+def spec_kernel(backend: str, **overrides):
+    step = torch.tensor([0])
+    tokens = torch.zeros(1, 64, dtype=torch.int64)
+    args = dict(world_size=1, mpi_rank=0, num_workers=2, num_local_schedulers=1, num_remote_schedulers=0,
+                max_seq_length=64, eos_token_id=2, meta_tensors=[step, tokens], profiler_tensor=None,
+                spec_decode_config=None, backend=backend)
+    args.update(overrides)
+    return yr.PersistentKernel(**args)
+
+
+def test_the_spec_constructor_fails_clearly_for_an_unavailable_backend() -> None:
+    if yr.is_backend_available("mps"):
+        pytest.skip("MPS is available here")
+    with pytest.raises(yr.BackendUnavailableError, match="mps.*unavailable.*macOS"):
+        spec_kernel("mps")
+
+
+def test_unsupported_options_are_refused() -> None:
+    with pytest.raises(yr.NotSupportedError, match="world_size"):
+        spec_kernel("reference", world_size=2)
+    with pytest.raises(yr.NotSupportedError, match="speculative"):
+        spec_kernel("reference", spec_decode_config={"k": 4})
+    with pytest.raises(LayerError, match="meta_tensors"):
+        spec_kernel("reference", meta_tensors=[torch.tensor([0])])
+
+
+def test_layer_wiring_errors_are_caught_at_build_time() -> None:
+    pk = spec_kernel("reference")
+    embed = pk.attach_input(torch.randn(100, 32), "embed")
+    x = pk.new_tensor((1, 32), name="x")
+    y = pk.new_tensor((1, 48), name="y")
+    norm, w = pk.attach_input(torch.ones(32), "norm"), pk.attach_input(torch.randn(48, 32), "w")
+    with pytest.raises(LayerError, match="read before any layer writes it"):
+        pk.rmsnorm_linear_layer(x, norm, w, y)
+    pk.embed_layer(pk.tokens_tensor, embed, x, grid_dim=(4, 1, 1))
+    with pytest.raises(LayerError, match="already written"):
+        pk.embed_layer(pk.tokens_tensor, embed, x)
+    with pytest.raises(LayerError, match=r"weight_linear must be \(N, 32\)"):
+        pk.rmsnorm_linear_layer(x, norm, pk.attach_input(torch.randn(32, 48), "w_bad"), y)
+    with pytest.raises(LayerError, match="do not split evenly"):
+        pk.rmsnorm_linear_layer(x, norm, w, y, grid_dim=(5, 1, 1))
+    other = spec_kernel("reference").new_tensor((1, 32), name="alien")
+    with pytest.raises(LayerError, match="tensor of this PersistentKernel"):
+        pk.rmsnorm_linear_layer(other, norm, w, y)
+    with pytest.raises(LayerError, match="last layer must be argmax"):
+        pk.compile()
+
+
+def test_events_partition_the_shared_dimension_by_the_gcd_of_the_splits() -> None:
+    from yirage.persistent.layers import Layer, PKTensor
+    from yirage.persistent.task_graph import build_task_graph
+
+    qkv = PKTensor("qkv", (1, 48), "float32", False, 0)
+    x = PKTensor("x", (1, 8), "float32", False, 1)
+    producer = Layer("rmsnorm_linear", 0, {"input": x}, qkv, tasks=6)
+    consumer = Layer("attention", 1, {"input": qkv}, PKTensor("o", (1, 16), "float32", False, 2), tasks=4,
+                     params={"kv_heads": 4, "group": 2, "head_dim": 4})
+    graph = build_task_graph([producer, consumer])
+    assert graph.num_events == 2  # gcd(6, 4)
+    assert graph.event_trigger == [3, 3]
+    assert graph.event_gates == [[6, 7], [8, 9]]
+    assert graph.task_waits == [0] * 6 + [1] * 4
+    assert [graph.task_events[t] for t in range(6)] == [[0], [0], [0], [1], [1], [1]]
+
+
+def test_the_profiler_records_every_task(tmp_path) -> None:
+    make_model("llama-gqa", tmp_path)
+    engine = InferEngine(tmp_path, backend="reference")
+    engine.reset_cache(1, 16)
+    engine._tokens[0, 0] = 3
+    profile = torch.zeros(4096, dtype=torch.int64)
+    pk = engine.model.build_decoder(engine._step, engine._tokens, backend="reference", profiler_tensor=profile)
+    pk(1)
+    n = pk.task_graph.num_tasks
+    starts, ends = profile[0:2 * n:2], profile[1:2 * n:2]
+    assert bool((ends >= starts).all()) and int(ends.max()) > 0
