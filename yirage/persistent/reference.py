@@ -130,9 +130,10 @@ class ReferenceRuntime:
             for task in self.order:
                 start = time.perf_counter_ns()
                 self.run_task(pk.layers[graph.task_layer[task]], graph.task_index[task])
-                if profile is not None and steps == 0:
-                    profile[2 * task] = start - origin
-                    profile[2 * task + 1] = time.perf_counter_ns() - origin
+                if profile is not None and steps == 0 and 3 * task + 2 < profile.numel():
+                    profile[3 * task] = start - origin
+                    profile[3 * task + 1] = time.perf_counter_ns() - origin
+                    profile[3 * task + 2] = 0  # the one worker
             for b in active:
                 pos = int(pk.step[b])
                 pk.tokens[b, pos + 1] = int(picker[b, 0])

@@ -51,6 +51,16 @@ class CPUBackend(yirage.Backend):
 
     kernel_dtypes = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
 
+    def persistent_runtime(self, task_graph: Any, config: Any) -> Any:
+        from yirage_backend_cpu.pk_runtime import CPUPersistentRuntime
+
+        self.require_available()
+        return CPUPersistentRuntime(task_graph, config)
+
+    def default_config(self, device: yirage.DeviceInfo) -> dict[str, int]:
+        """One worker per physical core and one scheduler; measured by benchmark/llm_decode.py."""
+        return {"num_workers": max(1, device.compute_units or 1), "num_local_schedulers": 1}
+
     def compile(self, plan: Any, graph: Any) -> Any:
         from yirage_backend_cpu.compile import compile_plan
 
