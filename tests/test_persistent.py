@@ -104,9 +104,9 @@ def test_generation_stops_at_eos(tmp_path) -> None:
     assert stopped == free[:free.index(stop_at) + 1]
 
 
-def test_sampling_is_seeded_and_tiny_temperature_is_greedy(tmp_path) -> None:
+def test_sampling_is_seeded_and_tiny_temperature_is_greedy(tmp_path, pk_backend) -> None:
     make_model("llama-gqa", tmp_path)
-    engine = InferEngine(tmp_path, backend="reference")
+    engine = InferEngine(tmp_path, backend=pk_backend)
     ids = torch.randint(0, 320, (1, 5), generator=torch.Generator().manual_seed(6))
     greedy = engine.generate(ids, GenerationConfig(max_new_tokens=8, eos_token_id=())).tokens
     cold = engine.generate(ids, GenerationConfig(max_new_tokens=8, temperature=1e-4, eos_token_id=())).tokens
@@ -185,14 +185,25 @@ def test_events_partition_the_shared_dimension_by_the_gcd_of_the_splits() -> Non
     assert [graph.task_events[t] for t in range(6)] == [[0], [0], [0], [1], [1], [1]]
 
 
-def test_the_profiler_records_every_task(tmp_path) -> None:
+def test_the_profiler_records_every_task(tmp_path, pk_backend) -> None:
     make_model("llama-gqa", tmp_path)
-    engine = InferEngine(tmp_path, backend="reference")
+    engine = InferEngine(tmp_path, backend=pk_backend)
     engine.reset_cache(1, 16)
     engine._tokens[0, 0] = 3
     profile = torch.zeros(4096, dtype=torch.int64)
-    pk = engine.model.build_decoder(engine._step, engine._tokens, backend="reference", profiler_tensor=profile)
+    pk = engine.model.build_decoder(engine._step, engine._tokens, backend=pk_backend, profiler_tensor=profile)
     pk(1)
     n = pk.task_graph.num_tasks
     starts, ends = profile[0:3 * n:3], profile[1:3 * n:3]
-    assert bool((ends >= starts).all()) and int(ends.max()) > 0
+    assert bool((ends >= starts).all()) and int(ends.max()) > 0 and int(starts.min()) >= 0
+
+
+def test_the_spec_snippet_runs_on_the_default_backend_with_any_worker_split(tmp_path) -> None:
+    make_model("llama-gqa", tmp_path)
+    engine = InferEngine(tmp_path, backend="reference")
+    ids = torch.randint(0, 320, (1, 4), generator=torch.Generator().manual_seed(9))
+    expected = engine.generate(ids, GenerationConfig(max_new_tokens=10, eos_token_id=())).tokens
+    for workers, schedulers in ((1, 0), (1, 1), (2, 0), (2, 1), (3, 2)):
+        fast = InferEngine(tmp_path, backend="cpu", num_workers=workers, num_local_schedulers=schedulers)
+        got = fast.generate(ids, GenerationConfig(max_new_tokens=10, eos_token_id=())).tokens
+        assert torch.equal(got, expected), (workers, schedulers)

@@ -286,8 +286,8 @@ class PersistentKernel:
             config["num_workers"] = int(self.num_workers)
         if self.num_local_schedulers is not None:
             config["num_local_schedulers"] = int(self.num_local_schedulers)
-        if config["num_workers"] < 1 or config["num_local_schedulers"] < 1:
-            raise LayerError(f"num_workers and num_local_schedulers must be >= 1, got {config}")
+        if config["num_workers"] < 1 or config["num_local_schedulers"] < 0:
+            raise LayerError(f"need num_workers >= 1 and num_local_schedulers >= 0 (0: workers schedule), got {config}")
         return config
 
     def __call__(self, max_new_tokens: int | None = None) -> int:

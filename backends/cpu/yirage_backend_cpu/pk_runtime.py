@@ -311,7 +311,7 @@ class CPUPersistentRuntime:
         self.workers = int(config["num_workers"])
         self.schedulers = int(config["num_local_schedulers"])
         self.scr = scratch
-        self.scratch = np.zeros((self.workers + self.schedulers) * scratch, np.float32)
+        self.scratch = np.zeros(max(1, self.workers + self.schedulers) * scratch, np.float32)
         self.ids = (index["tokens"], pk.tokens.shape[1], self._step_id(index), index[pk.layers[-1].output.name])
         self.steps_run = np.zeros(1, np.int64)
         self.last_profile: np.ndarray | None = None
@@ -327,12 +327,22 @@ class CPUPersistentRuntime:
     def value(self, name: str) -> Any:
         return self.values[name]
 
+    def effective(self) -> tuple[int, int, int]:
+        """(threads, workers, schedulers) actually run: one thread each, capped at numba's threads.
+
+        Schedulers only move released tasks to the queue; with fewer threads
+        than asked for, at least one thread stays a worker.
+        """
+        threads = max(1, min(self.workers + self.schedulers, numba.config.NUMBA_NUM_THREADS))
+        schedulers = min(self.schedulers, threads - 1)
+        return threads, threads - schedulers, schedulers
+
     def run(self, max_new_tokens: int | None = None) -> int:
         pk = self.pk
         profile = np.zeros(0, np.int64)
         if pk.profiler_tensor is not None:
             profile = np.zeros(3 * pk.task_graph.num_tasks, np.int64)
-        threads = max(1, min(self.workers + self.schedulers, numba.config.NUMBA_NUM_THREADS))
+        threads, workers, schedulers = self.effective()
         previous = numba.get_num_threads()
         numba.set_num_threads(threads)
         try:
@@ -340,8 +350,8 @@ class CPUPersistentRuntime:
             limit = pk.max_seq_length if max_new_tokens is None else int(max_new_tokens)
             wall = time.perf_counter_ns()
             cycles = _cycles()
-            steps = decode(self.addr, self.tdt, self.tnum, self.lp, self.lf, *self.graph_arrays, self.workers,
-                           self.schedulers, limit, np.array(pk.eos_token_ids or [-1], np.int64), pk.max_seq_length,
+            steps = decode(self.addr, self.tdt, self.tnum, self.lp, self.lf, *self.graph_arrays, workers,
+                           schedulers, limit, np.array(pk.eos_token_ids or [-1], np.int64), pk.max_seq_length,
                            pk.batch, tokens_id, tok_cols, step_id, pick_id, self.scratch, self.scr, profile,
                            self.steps_run)
             ns_per_cycle = (time.perf_counter_ns() - wall) / max(1, _cycles() - cycles)
