@@ -225,7 +225,7 @@ def print_text(r: dict[str, Any], out: Any) -> None:
         f"TTFT         {r['ttft_ms']:.1f} ms",
         f"decode       {r['ms_per_token']:.2f} ms/token, {r['tokens_per_s']:.1f} tokens/s ({t['steps']} steps)",
         "HF eager     " + (f"{r['hf_ms_per_token']:.2f} ms/token, {r['hf_tokens_per_s']:.1f} tokens/s, "
-                           f"yirage/HF = {ratio:.2f}x" if ratio else "skipped"),
+                           f"yirage/HF = {ratio:.2f}x" if ratio else "skipped (--no-compare-hf or < 2 new tokens)"),
     ]
     if r["identical_to_hf"] is not None:
         lines.append("greedy       " + ("identical to HF" if r["identical_to_hf"] else "MISMATCH with HF"))
