@@ -219,11 +219,12 @@ def print_text(r: dict[str, Any], out: Any) -> None:
         lines.append(f"output[{i}]    {row!r}" if r["text"] else f"output[{i}]    {row}")
         if r["text"]:
             lines.append(f"  token ids   {r['tokens'][i]}")
-    ratio = r["tokens_per_s"] / r["hf_tokens_per_s"] if r["hf_tokens_per_s"] else None
+    ratio = r["tokens_per_s"] / r["hf_tokens_per_s"] if r["hf_tokens_per_s"] and r["tokens_per_s"] else None
     lines += [
         f"warm-up      {t['warmup_s']:.2f} s (first generate: JIT + compile); timed run compile {t['compile_s']:.3f} s",
         f"TTFT         {r['ttft_ms']:.1f} ms",
-        f"decode       {r['ms_per_token']:.2f} ms/token, {r['tokens_per_s']:.1f} tokens/s ({t['steps']} steps)",
+        (f"decode       {r['ms_per_token']:.2f} ms/token, {r['tokens_per_s']:.1f} tokens/s ({t['steps']} steps)"
+         if r["ms_per_token"] else "decode       (one token: no decode step)"),
         "HF eager     " + (f"{r['hf_ms_per_token']:.2f} ms/token, {r['hf_tokens_per_s']:.1f} tokens/s, "
                            f"yirage/HF = {ratio:.2f}x" if ratio else "skipped (--no-compare-hf or < 2 new tokens)"),
     ]

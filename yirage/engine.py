@@ -34,8 +34,8 @@ class GenerationConfig:
 class GenerationResult:
     tokens: Any  # (B, n) int64: the generated tokens, prompt excluded
     ttft_ms: float
-    ms_per_token: float
-    tokens_per_s: float
+    ms_per_token: float | None  # None when only one token was generated (no decode step)
+    tokens_per_s: float | None
     backend: str
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -62,6 +62,8 @@ class InferEngine:
 
         if batch_size < 1 or max_len < 2:
             raise ValueError(f"need batch_size >= 1 and max_len >= 2, got {batch_size}, {max_len}")
+        if self._tokens is not None and tuple(self._tokens.shape) == (batch_size, max_len):
+            return  # same shapes: keep the caches (positions are rewritten before they are read) and decoders
         self.model.reset_cache(batch_size, max_len)
         self._tokens = torch.zeros(batch_size, max_len, dtype=torch.int64)
         self._step = torch.zeros(batch_size, dtype=torch.int64)
@@ -112,18 +114,22 @@ class InferEngine:
         sampling = None if config.temperature == 0 else {
             "temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p, "seed": config.seed}
         compile_start = time.perf_counter()
-        decoder = self.model.build_decoder(self._step, self._tokens, backend=self.backend,
-                                           num_workers=self.num_workers,
-                                           num_local_schedulers=self.num_local_schedulers,
-                                           eos_token_id=list(eos_ids), sampling=sampling)
+        key = (tuple(eos_ids), tuple(sorted((sampling or {}).items())))
+        decoder = self._decoders.get(key)
+        if decoder is None:
+            decoder = self.model.build_decoder(self._step, self._tokens, backend=self.backend,
+                                               num_workers=self.num_workers,
+                                               num_local_schedulers=self.num_local_schedulers,
+                                               eos_token_id=list(eos_ids), sampling=sampling)
+            self._decoders[key] = decoder
         compile_s = time.perf_counter() - compile_start
         decode_start = time.perf_counter()
         steps = decoder(config.max_new_tokens - 1)
         decode_s = time.perf_counter() - decode_start
         generated = self._tokens[:, prompt:prompt + 1 + steps].clone()
-        per_token = decode_s / steps if steps else 0.0
+        per_token = decode_s / steps if steps else None
         return GenerationResult(
-            tokens=generated, ttft_ms=ttft * 1e3, ms_per_token=per_token * 1e3,
-            tokens_per_s=batch / per_token if per_token else 0.0, backend=self.backend.name,
+            tokens=generated, ttft_ms=ttft * 1e3, ms_per_token=per_token * 1e3 if per_token else None,
+            tokens_per_s=batch / per_token if per_token else None, backend=self.backend.name,
             timings={"compile_s": compile_s, "decode_s": decode_s, "steps": steps},
         )
