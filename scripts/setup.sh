@@ -17,7 +17,7 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # pin the CPU build: a bare `torch` would pull a multi-GB CUDA build
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" --no-build-isolation \
-    -e ".[test]" \
+    -e ".[test,llm]" \
     -e backends/cpu \
     -e "backends/opencl[pocl]" \
     -e backends/cuda \
