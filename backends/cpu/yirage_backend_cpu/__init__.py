@@ -58,8 +58,15 @@ class CPUBackend(yirage.Backend):
         return CPUPersistentRuntime(task_graph, config)
 
     def default_config(self, device: yirage.DeviceInfo) -> dict[str, int]:
-        """One worker per physical core and one scheduler; measured by benchmark/llm_decode.py."""
-        return {"num_workers": max(1, device.compute_units or 1), "num_local_schedulers": 1}
+        """One thread per physical core; workers release tasks themselves on small machines.
+
+        A dedicated scheduler thread costs a core that would otherwise stream
+        weights: on 2 cores it halves decode speed (benchmark/llm_decode.py
+        prints the sweep), so dedicated schedulers start at 8 cores.
+        """
+        cores = max(1, device.compute_units or 1)
+        schedulers = cores // 8
+        return {"num_workers": cores - schedulers, "num_local_schedulers": schedulers}
 
     def compile(self, plan: Any, graph: Any) -> Any:
         from yirage_backend_cpu.compile import compile_plan
