@@ -42,7 +42,7 @@ class ReferenceRuntime:
         if layer.kind in ("argmax", "sample"):
             logits = v[layer.inputs["input"].name].to(f32)
             for b in range(pk.batch):
-                out[b, 0] = self._pick(layer, logits[b])
+                out[b, 0] = self._pick(layer, logits[b], b)
             return
         cols = out.shape[1] // layer.out_parts
         lo, hi = layer.write_part(t) * cols, (layer.write_part(t) + 1) * cols
@@ -94,7 +94,7 @@ class ReferenceRuntime:
         probs = torch.softmax(q @ keys.t() / d**0.5, dim=-1)
         out[b, g * group * d:(g + 1) * group * d] = (probs @ values).reshape(-1)
 
-    def _pick(self, layer: Layer, logits: Any) -> int:
+    def _pick(self, layer: Layer, logits: Any, row: int) -> int:
         import torch
 
         if layer.kind == "argmax":
@@ -109,7 +109,8 @@ class ReferenceRuntime:
             sorted_probs, idx = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_probs, 0) - sorted_probs < p["top_p"]
             probs = torch.zeros_like(probs).scatter(0, idx, sorted_probs * keep)
-        self.generator.manual_seed(p["seed"] * 1_000_003 + self.steps_run)
+        position = int(self.pk.step[row])  # seeded by position, so a run repeats whatever ran before it
+        self.generator.manual_seed(p["seed"] * 1_000_003 + position * 7919 + row * 104729 + 1)
         return int(torch.multinomial(probs / probs.sum(), 1, generator=self.generator))
 
     # -- the decode loop ------------------------------------------------------------------

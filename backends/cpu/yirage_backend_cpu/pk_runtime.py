@@ -60,7 +60,8 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
             if kind == ARGMAX:
                 picked[b] = argmax_row(logits, b * k, k)
             else:
-                state = np.uint64(lp[layer, 15] * 1000003 + steps_run * 7919 + b * 104729 + 1)
+                # seeded by position, so a run repeats whatever ran before it
+                state = np.uint64(lp[layer, 15] * 1000003 + step[b] * 7919 + b * 104729 + 1)
                 picked[b] = sample_row(logits, b * k, k, lf[layer, 1], lp[layer, 14], lf[layer, 2], state)
         return
     out = f32s(addr[out_id], tnum[out_id])
