@@ -7,6 +7,8 @@ backend that has a persistent runtime; others report why they are skipped.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -196,6 +198,12 @@ def test_the_profiler_records_every_task(tmp_path, pk_backend) -> None:
     n = pk.task_graph.num_tasks
     starts, ends = profile[0:3 * n:3], profile[1:3 * n:3]
     assert bool((ends >= starts).all()) and int(ends.max()) > 0 and int(starts.min()) >= 0
+    from yirage.persistent.trace import write_chrome_trace
+
+    trace = json.loads(write_chrome_trace(pk, tmp_path / "trace.json").read_text())
+    assert len(trace["traceEvents"]) == n
+    kinds = {e["cat"] for e in trace["traceEvents"]}
+    assert {"embed", "rmsnorm_linear", "attention", "argmax"} <= kinds
 
 
 def test_the_spec_snippet_runs_on_the_default_backend_with_any_worker_split(tmp_path) -> None:
