@@ -106,3 +106,14 @@ def test_the_plan_prints_its_kernel_ir() -> None:
     assert "$scale[b, m] = rsqrt(sum_k square(in0) / 64 + 1e-06)" in text
     assert "out0[b, m, n] = mul($acc, $scale)" in text
     assert "buffer in1: input (64, 32) float32 strides=(1, 64)" in text
+
+
+def test_rotary_never_fuses_into_row_ops_or_matmuls() -> None:
+    g = yr.new_kernel_graph()
+    x, cos, sin = (g.new_input((2, 8)) for _ in range(3))
+    g.mark_output(g.softmax(g.rotary(x, cos, sin), -1))
+    assert kinds(g) == ["Pointwise", "Row"]
+    g = yr.new_kernel_graph()
+    x, cos, sin, w = g.new_input((2, 8)), g.new_input((2, 8)), g.new_input((2, 8)), g.new_input((8, 8))
+    g.mark_output(g.rotary(g.matmul(x, w), cos, sin))
+    assert kinds(g) == ["Matmul", "Pointwise"]

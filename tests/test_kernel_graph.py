@@ -57,6 +57,9 @@ def test_tensors_carry_dims_and_dtype() -> None:
     (lambda g: g.clamp(g.new_input((4,))), ["clamp", "min_val"]),
     (lambda g: g.clamp(g.new_input((4,)), 2.0, 1.0), ["greater than"]),
     (lambda g: g.clamp(g.new_input((4,), dtype=yr.int32), 0.5, 3), ["integers"]),
+    (lambda g: g.clamp(g.new_input((4,), dtype=yr.int32), -5, 3e9), ["fit int32"]),
+    (lambda g: g.clamp(g.new_input((4,)), float("nan"), 1.0), ["must be numbers"]),
+    (lambda g: g.new_input((True, 3)), ["positive ints"]),
     (lambda g: g.embedding(g.new_input((4,)), g.new_input((10, 3))), ["embedding", "ids must be int"]),
     (lambda g: g.embedding(g.new_input((4,), dtype=yr.int64), g.new_input((10,))), ["table must be 2-D"]),
     (lambda g: g.rotary(g.new_input((2, 5)), g.new_input((2, 5)), g.new_input((2, 5))), ["rotary", "even"]),
@@ -156,6 +159,38 @@ def test_corrupted_json_is_refused_clearly() -> None:
         yr.KernelGraph.from_json(data)
     with pytest.raises(GraphError, match="format"):
         yr.KernelGraph.from_json({"format": 99, "nodes": [], "outputs": []})
+    for outputs in ([99], [-1], ["t0"]):
+        data = json.loads(rms_linear().to_json())
+        data["outputs"] = outputs
+        with pytest.raises(GraphError, match="does not name a node"):
+            yr.KernelGraph.from_json(data)
+    data = json.loads(rms_linear().to_json())
+    data["nodes"][2]["attrs"]["flavour"] = "x"
+    with pytest.raises(GraphError, match="unknown attrs"):
+        yr.KernelGraph.from_json(data)
+
+
+def test_compiling_one_graph_from_many_threads_is_safe(tmp_path, monkeypatch) -> None:
+    import threading
+
+    monkeypatch.setenv("YIRAGE_CACHE_DIR", str(tmp_path))
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            g = yr.new_kernel_graph()
+            g.mark_output(g.silu(g.add(g.new_input((3, 40)), g.new_input((40,)))))
+            (out,) = g(inputs=[torch.ones(3, 40), torch.ones(40)], backend="cpu")
+            assert torch.allclose(out, torch.nn.functional.silu(torch.full((3, 40), 2.0)))
+        except BaseException as exc:  # noqa: BLE001 - collected and re-raised in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
 
 
 def test_requires_grad_inputs_run_without_autograd() -> None:

@@ -30,6 +30,7 @@ class Group:
     members: set[int] = field(default_factory=set)
     anchor: int | None = None
     rms: int | None = None  # an rms_norm fused into the anchor matmul as a row scale
+    rotary: bool = False  # rotate_half reads are only rendered in pure elementwise kernels
 
 
 def kind(node: Node) -> str:
@@ -74,6 +75,8 @@ def _can_inline(graph: KernelGraph, n: Node, c: Node, group: Group, users: dict[
     kn, kc = kind(n), kind(c)
     root = graph.nodes[group.root]
     if kn == "pointwise":
+        if n.op == "rotary" and (group.anchor is not None or kc != "pointwise"):
+            return None  # RoPE's rotated read only exists in elementwise kernels
         if kc == "pointwise":
             if c.op == "rotary" and c.inputs[0] == n.id:
                 return None  # rotate_half reads its operand at another index: keep it in memory
@@ -85,7 +88,7 @@ def _can_inline(graph: KernelGraph, n: Node, c: Node, group: Group, users: dict[
             return "member" if is_a and n.dims == _a_dims(graph, c) else None
         return None
     if kn in ("row", "matmul"):
-        if kc == "pointwise" and group.anchor is None and c.dims == n.dims == root.dims:
+        if kc == "pointwise" and group.anchor is None and not group.rotary and c.dims == n.dims == root.dims:
             if c.op == "rotary" and c.inputs[0] == n.id:
                 return None
             return "anchor"
@@ -122,7 +125,7 @@ def partition(graph: KernelGraph) -> list[Group]:
                 if how is not None:
                     group = candidate
         if group is None:
-            group = Group(root=n.id)
+            group = Group(root=n.id, rotary=n.op == "rotary")
             groups.append(group)
             if kind(n) != "pointwise":
                 group.anchor = n.id
@@ -131,5 +134,6 @@ def partition(graph: KernelGraph) -> list[Group]:
         elif how == "rms":
             group.rms = n.id
         group.members.add(n.id)
+        group.rotary = group.rotary or n.op == "rotary"
         group_of[n.id] = group
     return sorted(groups, key=lambda g: g.root)

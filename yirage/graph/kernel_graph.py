@@ -17,6 +17,8 @@ from yirage.graph.dtypes import DType, as_dtype, float32
 from yirage.graph.ops import OPS, GraphError, Operand, check_dims
 
 FORMAT_VERSION = 1
+_ATTRS = {"reduction": ("dim",), "softmax": ("dim",), "clamp": ("min_val", "max_val"),
+          "rms_norm": ("eps", "normalized_shape"), "attention": ("scale",)}
 
 
 @dataclass(frozen=True)
@@ -284,10 +286,16 @@ class KernelGraph:
                     raise GraphError(f"node {i}: unknown op {raw['op']!r}")
                 if any(not 0 <= j < i for j in raw["inputs"]):
                     raise GraphError(f"node {i}: inputs {raw['inputs']} must refer to earlier nodes")
+                known = set(_ATTRS.get(raw["op"], ()))
+                extra = sorted(set(raw["attrs"]) - known)
+                if extra:
+                    raise GraphError(f"node {i}: unknown attrs {extra} for op {raw['op']!r}")
                 t = g._op(raw["op"], *(Tensor(g, j) for j in raw["inputs"]), **raw["attrs"])
             if list(t.dims) != list(raw["dims"]) or t.dtype.name != raw["dtype"]:
                 raise GraphError(f"node {i}: recorded dims/dtype {raw['dims']} {raw['dtype']} disagree with the op")
         for out in data["outputs"]:
+            if not isinstance(out, int) or not 0 <= out < len(g.nodes):
+                raise GraphError(f"output {out!r} does not name a node (there are {len(g.nodes)})")
             g.mark_output(Tensor(g, out))
         return g
 

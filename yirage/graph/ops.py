@@ -94,10 +94,18 @@ def infer_unary_any(xs: list[Operand], attrs: dict[str, Any]) -> tuple[Dims, DTy
     return xs[0].dims, xs[0].dtype
 
 
+_INT_RANGE = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+
+
 def infer_clamp(xs: list[Operand], attrs: dict[str, Any]) -> tuple[Dims, DType]:
     lo, hi = attrs["min_val"], attrs["max_val"]
     if lo is None and hi is None:
         raise _fail("clamp", xs, "give min_val, max_val or both")
+    if any(v is not None and math.isnan(v) for v in (lo, hi)):
+        raise _fail("clamp", xs, f"bounds must be numbers, got min_val={lo}, max_val={hi}")
+    limits = _INT_RANGE.get(xs[0].dtype.name)
+    if limits and any(v is not None and not limits[0] <= v <= limits[1] for v in (lo, hi)):
+        raise _fail("clamp", xs, f"bounds must fit {xs[0].dtype}, got min_val={lo}, max_val={hi}")
     if lo is not None and hi is not None and lo > hi:
         raise _fail("clamp", xs, f"min_val {lo} is greater than max_val {hi}")
     if not xs[0].dtype.is_float and any(v is not None and v != int(v) for v in (lo, hi)):
@@ -284,6 +292,8 @@ _register(OpSpec("attention", "attention", 4, infer_attention, ref_attention))
 def check_dims(dims: Any, what: str = "dims") -> Dims:
     """Dims must be a non-empty sequence of positive ints."""
     try:
+        if any(isinstance(d, bool) or not hasattr(d, "__index__") for d in dims):
+            raise TypeError
         out = tuple(int(d) for d in dims)
     except TypeError:
         raise GraphError(f"{what} must be a sequence of positive ints, got {dims!r}") from None

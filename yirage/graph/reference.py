@@ -24,4 +24,4 @@ def run_reference(graph: KernelGraph, inputs: Sequence[Any], float64: bool = Fal
         args = [values[i] for i in node.inputs]
         values[node.id] = OPS[node.op].reference(*args, **node.attrs)
     input_ids = {n.id for n in graph.inputs}
-    return [values[i].clone() if i in input_ids else values[i] for i in graph.outputs]
+    return [values[i].clone() if i in input_ids else values[i].contiguous() for i in graph.outputs]

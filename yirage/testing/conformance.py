@@ -212,6 +212,34 @@ def test_attention_rejects_bad_lengths(yirage_backend) -> None:
               backend=yirage_backend)
 
 
+@pytest.mark.parametrize("consumer", ["softmax", "reduction", "rms_norm", "matmul", "matmul_epilogue"])
+def test_rotary_feeding_row_ops_and_matmuls(yirage_backend, consumer) -> None:
+    g = yr.new_kernel_graph()
+    x, cos, sin = (g.new_input((4, 16)) for _ in range(3))
+    r = g.rotary(x, cos, sin)
+    if consumer == "softmax":
+        out = g.softmax(r, -1)
+    elif consumer == "reduction":
+        out = g.reduction(r, -1)
+    elif consumer == "rms_norm":
+        out = g.rms_norm(r, (16,))
+    elif consumer == "matmul":
+        out = g.matmul(r, g.new_input((16, 8)))
+    else:
+        y = g.matmul(g.new_input((4, 16)), g.new_input((16, 16)))
+        out = g.rotary(y, cos, sin)
+    g.mark_output(out)
+    assert_matches_reference(g, random_inputs(g, seed=15), yirage_backend)
+
+
+def test_exp_overflows_and_underflows_like_float32(yirage_backend) -> None:
+    g = yr.new_kernel_graph()
+    g.mark_output(g.exp(g.new_input((8,))))
+    x = torch.tensor([-float("inf"), -200.0, -50.0, 0.0, 50.0, 88.5, 100.0, float("inf")])
+    (out,) = g(inputs=[x], backend=yirage_backend)
+    torch.testing.assert_close(out, torch.exp(x), rtol=5e-6, atol=0.0)
+
+
 def test_strided_pointwise_input(yirage_backend) -> None:
     g = yr.new_kernel_graph()
     x = g.new_input((6, 10), strides=(1, 6))
@@ -276,7 +304,7 @@ def random_graph(draw: st.DrawFn) -> yr.KernelGraph:
     for _ in range(draw(st.integers(2, 7))):
         x = draw(st.sampled_from(tensors))
         choice = draw(st.sampled_from(
-            ["unary", "unary", "binary", "binary", "matmul", "reduction", "softmax", "rms_norm", "clamp"]
+            ["unary", "unary", "binary", "binary", "matmul", "reduction", "softmax", "rms_norm", "clamp", "rotary"]
         ))
         if choice == "unary":
             y = getattr(g, draw(st.sampled_from(["silu", "gelu", "relu", "square", "exp"])))(x)
@@ -300,6 +328,11 @@ def random_graph(draw: st.DrawFn) -> yr.KernelGraph:
             y = g.matmul(x, g.new_input((k, n), strides=strides))
         elif choice == "clamp":
             y = g.clamp(x, -1.0, 1.5)
+        elif choice == "rotary":
+            if x.dims[-1] % 2:
+                continue
+            table = tuple(d if draw(st.booleans()) else 1 for d in x.dims[:-1]) + (x.dims[-1],)
+            y = g.rotary(x, g.new_input(table), g.new_input(table))
         elif choice == "rms_norm":
             y = g.rms_norm(x, (x.dims[-1],))
         else:

@@ -9,12 +9,14 @@ finds the file and numba's compiled code beside it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
 import os
 import shutil
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,7 +51,7 @@ def _write_if_changed(path: Path, source: str) -> None:
         logger.warning("compile-cache file %s differed from its rendering (corrupted or edited); rewriting it", path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(source, encoding="utf-8")
         tmp.replace(path)
     except OSError as exc:
@@ -58,12 +60,29 @@ def _write_if_changed(path: Path, source: str) -> None:
         ) from exc
 
 
+_LOCK = threading.Lock()  # numba compiles while the module executes: one import at a time
+
+
+@functools.cache
+def backend_fingerprint() -> str:
+    """Hash of the backend's own sources: generated kernels inline kernel_lib, which numba does not track."""
+    here = Path(__file__).parent
+    digest = hashlib.sha256()
+    for f in sorted(here.glob("*.py")):
+        digest.update(f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def compile_plan(plan: KernelPlan, version: str) -> tuple[Callable[[Any], list[Any]], Path]:
-    source = render_module(plan, version)
+    source = render_module(plan, f"{version}+{backend_fingerprint()}")
     key = hashlib.sha256(source.encode()).hexdigest()[:24]
     path = cache_root() / "cpu" / key / "kernels.py"
-    _write_if_changed(path, source)
-    name = f"yirage_cpu_plan_{key}"
+    with _LOCK:
+        _write_if_changed(path, source)
+        return _load(f"yirage_cpu_plan_{key}", path), path
+
+
+def _load(name: str, path: Path) -> Callable[[Any], list[Any]]:
     module = sys.modules.get(name)
     if module is None:
         try:
@@ -79,7 +98,7 @@ def compile_plan(plan: KernelPlan, version: str) -> tuple[Callable[[Any], list[A
                     f"compiling the kernels in {path} failed ({type(again).__name__}: {again}); "
                     f"delete {path.parent} and run again, and report the error if it persists"
                 ) from again
-    return module.run, path
+    return module.run
 
 
 def _import(name: str, path: Path) -> Any:

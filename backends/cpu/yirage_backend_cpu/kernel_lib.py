@@ -20,7 +20,12 @@ _F = np.float32
 
 @njit(fastmath=True, inline="always", cache=True)
 def fexp(x):  # type: ignore[no-untyped-def]
-    x = min(max(x, _F(-87.3)), _F(88.7))
+    """exp(x) for float32: inf above 88.72 and 0 below -103.9, as float32 overflows and underflows;
+    below -87.33 it returns exp(-87.33) (absolute error < 1.2e-38)."""
+    big = x > _F(88.72)
+    small = x < _F(-103.9)
+    top = x > _F(88.37)  # 2^128 does not fit the exponent: compute exp(x - ln 2) * 2
+    x = min(max(x - (_F(0.6931471805599453) if top else _F(0.0)), _F(-87.33)), _F(88.37))
     n = _F(math.floor(x * _F(1.4426950408889634) + _F(0.5)))
     r = x - n * _F(0.693359375) + n * _F(2.12194440e-4)
     p = _F(1.9875691500e-4)
@@ -30,7 +35,9 @@ def fexp(x):  # type: ignore[no-untyped-def]
     p = p * r + _F(1.6666665459e-1)
     p = p * r + _F(5.0000001201e-1)
     p = p * r * r + r + _F(1.0)
-    return p * np.int32((np.int32(n) + np.int32(127)) << 23).view(np.float32)
+    p = p + p if top else p  # doubled before scaling, so the product stays below FLT_MAX
+    y = p * np.int32((np.int32(n) + np.int32(127)) << 23).view(np.float32)
+    return _F(np.inf) if big else (_F(0.0) if small else y)
 
 
 @njit(fastmath=True, inline="always", cache=True)
