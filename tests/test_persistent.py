@@ -215,3 +215,61 @@ def test_the_spec_snippet_runs_on_the_default_backend_with_any_worker_split(tmp_
         fast = InferEngine(tmp_path, backend="cpu", num_workers=workers, num_local_schedulers=schedulers)
         got = fast.generate(ids, GenerationConfig(max_new_tokens=10, eos_token_id=())).tokens
         assert torch.equal(got, expected), (workers, schedulers)
+
+
+def test_sharded_checkpoints_load(tmp_path) -> None:
+    oracle = make_model("llama-gqa", tmp_path)
+    oracle.save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="200KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    ids = torch.randint(0, 320, (1, 6), generator=torch.Generator().manual_seed(10))
+    a = InferEngine(tmp_path, backend="reference").generate(ids, GenerationConfig(max_new_tokens=6, eos_token_id=()))
+    b = InferEngine(tmp_path / "sharded", backend="reference").generate(
+        ids, GenerationConfig(max_new_tokens=6, eos_token_id=()))
+    assert torch.equal(a.tokens, b.tokens)
+
+
+def test_the_spec_snippet_builds_and_runs_on_cpu() -> None:
+    """The spec's constructor (32 workers, 16 schedulers) on a hand-built one-layer model."""
+    if not yr.is_backend_available("cpu"):
+        pytest.skip("no cpu backend")
+    torch.manual_seed(0)
+    hidden, vocab, heads, dim = 32, 64, 2, 16
+
+    def build(backend: str, tokens: torch.Tensor, step: torch.Tensor) -> yr.PersistentKernel:
+        mpk = yr.PersistentKernel(world_size=1, mpi_rank=0, num_workers=32, num_local_schedulers=16,
+                                  num_remote_schedulers=0, max_seq_length=24, eos_token_id=2,
+                                  meta_tensors=[step, tokens], profiler_tensor=None, spec_decode_config=None,
+                                  backend=backend)
+        g = torch.Generator().manual_seed(3)
+        w = {n: torch.randn(*s, generator=g) * 0.2 for n, s in
+             {"embed": (vocab, hidden), "qkv": (heads * 3 * dim, hidden), "o": (hidden, heads * dim),
+              "gu": (2 * 48, hidden), "down": (hidden, 48), "head": (vocab, hidden)}.items()}
+        ones = mpk.attach_input(torch.ones(hidden), "ones")
+        cos = mpk.attach_input(torch.ones(24, dim), "cos")
+        sin = mpk.attach_input(torch.zeros(24, dim), "sin")
+        x = mpk.new_tensor((1, hidden), name="x")
+        mpk.embed_layer(mpk.tokens_tensor, mpk.attach_input(w["embed"], "embed"), x, grid_dim=(4, 1, 1))
+        qkv = mpk.new_tensor((1, heads * 3 * dim), name="qkv")
+        mpk.rmsnorm_linear_layer(x, ones, mpk.attach_input(w["qkv"], "wqkv"), qkv, grid_dim=(6, 1, 1))
+        att = mpk.new_tensor((1, heads * dim), name="att")
+        caches = [mpk.attach_input(torch.zeros(1, heads, 24, dim), n) for n in ("kc", "vc")]
+        mpk.attention_layer(qkv, *caches, cos_pos_embed=cos, sin_pos_embed=sin, output=att, grid_dim=(1, heads, 1))
+        x2 = mpk.new_tensor((1, hidden), name="x2")
+        mpk.linear_with_residual_layer(att, mpk.attach_input(w["o"], "wo"), x, x2, grid_dim=(8, 1, 1))
+        gu = mpk.new_tensor((1, 96), name="gu")
+        mpk.rmsnorm_linear_layer(x2, ones, mpk.attach_input(w["gu"], "wgu"), gu, grid_dim=(3, 1, 1))
+        x3 = mpk.new_tensor((1, hidden), name="x3")
+        mpk.silu_mul_linear_with_residual_layer(gu, mpk.attach_input(w["down"], "wd"), x2, x3, grid_dim=(2, 1, 1))
+        logits = mpk.new_tensor((1, vocab), name="logits")
+        mpk.rmsnorm_linear_layer(x3, ones, mpk.attach_input(w["head"], "head"), logits, grid_dim=(4, 1, 1))
+        mpk.argmax_layer(logits, mpk.new_tensor((1, 1), dtype=torch.int64, name="next"))
+        return mpk.compile()
+
+    runs = {}
+    for backend in ("reference", "cpu"):
+        tokens, step = torch.zeros(1, 24, dtype=torch.int64), torch.tensor([0])
+        tokens[0, 0] = 5
+        steps = build(backend, tokens, step)(10)
+        runs[backend] = (steps, tokens.clone(), int(step[0]))
+    assert runs["cpu"][0] == runs["reference"][0] >= 1
+    assert torch.equal(runs["cpu"][1], runs["reference"][1]) and runs["cpu"][2] == runs["reference"][2]
