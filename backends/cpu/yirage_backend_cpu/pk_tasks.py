@@ -68,6 +68,10 @@ def load(address, index, dtype):  # type: ignore[no-untyped-def]
 # -- the GEMV tile: out[b, n] = x[b] . W[n] (+ bias[n]) (+ residual[b, n]) ------------------------
 
 
+# linear_f32 and linear_u16 are two copies on purpose: passing the widening function as an
+# argument would make numba's compiled code uncacheable (it treats dispatchers as dynamic globals).
+
+
 @njit(**OPTS)
 def linear_f32(xs, batch, k, w_addr, n0, n1, out, out_cols, res, bias):  # type: ignore[no-untyped-def]
     w = f32s(w_addr, n1 * k)
