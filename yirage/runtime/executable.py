@@ -49,9 +49,11 @@ class Executable:
 
         if type(inputs) not in (list, tuple) or len(inputs) != self._count:
             return False
-        tensor = torch.Tensor
+        tensor, strided = torch.Tensor, torch.strided
         for t, (dtype, dims, contiguous, big, strides) in zip(inputs, self._fast, strict=True):
-            if not isinstance(t, tensor) or t.dtype is not dtype or t.shape != dims or t.requires_grad:
+            if not isinstance(t, tensor) or t.layout is not strided or t.dtype is not dtype or t.shape != dims:
+                return False
+            if t.requires_grad:
                 return False
             if contiguous:
                 if not t.is_contiguous():
@@ -75,6 +77,9 @@ class Executable:
         for (index, label, dims, dtype, dtype_name, big, strides), t in zip(self._checks, inputs, strict=True):
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"input {index} ({label}) must be a torch.Tensor, got {type(t).__name__}")
+            if t.layout != torch.strided:
+                raise InputError(f"input {index} ({label}) has layout {t.layout}; pass a dense tensor "
+                                 "(e.g. t.to_dense())")
             if t.dtype != dtype:
                 raise InputError(
                     f"input {index} ({label}) has dtype {t.dtype}, but the graph declares {dtype_name}; "

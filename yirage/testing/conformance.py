@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import yirage as yr
 from yirage.testing.oracle import assert_matches_reference, random_inputs
+from yirage.testing.plugin import random_graph_examples
 
 FLOATS = ["float32", "float16", "bfloat16", "float64"]
 
@@ -283,6 +284,7 @@ def _small_graph() -> yr.KernelGraph:
     (lambda: [torch.randn(2, 3), torch.randn(3, 2).t()], "strides"),
     (lambda: [torch.randn(2, 3), [[0.0] * 3] * 2], "torch.Tensor"),
     (lambda: torch.randn(2, 3), "list"),
+    (lambda: [torch.randn(2, 3), torch.randn(2, 3).to_sparse()], "layout"),
 ])
 def test_bad_inputs_are_refused_with_the_fix(yirage_backend, inputs, message) -> None:
     from yirage.runtime.executable import InputError
@@ -350,7 +352,8 @@ def _broadcastable(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
 
 
 @given(graph=random_graph(), seed=st.integers(0, 2**16))
-@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(deadline=None, max_examples=random_graph_examples(),
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 def test_random_graphs_match_the_reference(yirage_backend, graph, seed) -> None:
     assert_matches_reference(graph, random_inputs(graph, seed=seed, scale=0.7), yirage_backend)
 

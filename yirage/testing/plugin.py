@@ -21,12 +21,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run more hypothesis examples in yirage's random-graph tests")
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    if config.getoption("--yirage-slow", default=False):
-        from hypothesis import settings
+_SLOW = False
 
-        settings.register_profile("yirage-slow", max_examples=1000)
-        settings.load_profile("yirage-slow")
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _SLOW
+    _SLOW = bool(config.getoption("--yirage-slow", default=False))
+
+
+def random_graph_examples() -> int:
+    """Hypothesis examples per random-graph test: 100, or 1000 with --yirage-slow (only yirage's tests)."""
+    return 1000 if _SLOW else 100
 
 
 def selected_backends(config: pytest.Config) -> list[str]:
