@@ -273,3 +273,59 @@ def test_the_spec_snippet_builds_and_runs_on_cpu() -> None:
         runs[backend] = (steps, tokens.clone(), int(step[0]))
     assert runs["cpu"][0] == runs["reference"][0] >= 1
     assert torch.equal(runs["cpu"][1], runs["reference"][1]) and runs["cpu"][2] == runs["reference"][2]
+
+
+def test_rows_after_eos_are_padded_not_stale(tmp_path) -> None:
+    make_model("llama-gqa", tmp_path)
+    engine = InferEngine(tmp_path, backend="cpu")
+    ids = torch.randint(0, 320, (2, 5), generator=torch.Generator().manual_seed(11))
+    free = engine.generate(ids, GenerationConfig(max_new_tokens=12, eos_token_id=()))
+    stop = free.tokens[0, 3].item()
+    result = engine.generate(ids, GenerationConfig(max_new_tokens=12, eos_token_id=stop))
+    for row, length in zip(result.tokens.tolist(), result.lengths, strict=True):
+        assert row[length - 1] == stop or length == 12
+        assert all(t == stop for t in row[length:])
+    assert result.lengths[0] == free.tokens[0].tolist().index(stop) + 1
+
+
+def test_out_of_range_meta_tensors_are_refused_before_running(tmp_path) -> None:
+    make_model("llama-gqa", tmp_path)
+    engine = InferEngine(tmp_path, backend="cpu")
+    engine.reset_cache(1, 16)
+    pk = engine.model.build_decoder(engine._step, engine._tokens, backend="cpu")
+    engine._tokens[0, 0] = 10**9
+    with pytest.raises(LayerError, match="not a token id"):
+        pk(1)
+    engine._tokens[0, 0] = 1
+    engine._step[0] = 10**7
+    with pytest.raises(LayerError, match="outside"):
+        pk(1)
+
+
+def test_narrow_activations_and_caches_are_refused() -> None:
+    pk = spec_kernel("reference")
+    x = pk.new_tensor((1, 32), name="x")
+    pk.embed_layer(pk.tokens_tensor, pk.attach_input(torch.randn(100, 32), "embed"), x)
+    w = pk.attach_input(torch.randn(32, 32), "w")
+    with pytest.raises(LayerError, match="attach activations"):
+        pk.linear_with_residual_layer(x, w, pk.attach_input(torch.randn(1, 32, dtype=torch.bfloat16), "r"),
+                                      pk.new_tensor((1, 32), name="y"))
+    with pytest.raises(LayerError, match="weights must be one of"):
+        pk.linear_with_residual_layer(x, pk.attach_input(torch.ones(32, 32, dtype=torch.int64), "wi"), x,
+                                      pk.new_tensor((1, 32), name="z"))
+
+
+def test_unsupported_model_options_are_refused(tmp_path) -> None:
+    from yirage.models.llama import LlamaConfig, ModelError
+
+    base = CONFIGS["llama-gqa"]().to_dict()
+    for key in ("mlp_bias", "attention_bias"):
+        with pytest.raises(ModelError, match=key):
+            LlamaConfig.from_dict({**base, key: True})
+
+
+def test_engine_is_exported_and_takes_text_when_a_tokenizer_exists(tmp_path) -> None:
+    assert yr.InferEngine is InferEngine and yr.GenerationConfig is GenerationConfig
+    make_model("llama-gqa", tmp_path)
+    with pytest.raises(yr.YirageError, match="no tokenizer"):
+        InferEngine(tmp_path, backend="reference").generate("hello")

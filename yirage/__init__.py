@@ -19,6 +19,7 @@ from yirage.backend.selection import (
     reset_backend,
     set_backend,
 )
+from yirage.engine import GenerationConfig, GenerationResult, InferEngine
 from yirage.errors import (
     BackendError,
     BackendUnavailableError,
@@ -52,6 +53,9 @@ __all__ = [
     "UnknownBackendError",
     "YirageError",
     "GraphError",
+    "GenerationConfig",
+    "GenerationResult",
+    "InferEngine",
     "KernelGraph",
     "PersistentKernel",
     "Tensor",

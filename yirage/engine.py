@@ -32,12 +32,14 @@ class GenerationConfig:
 
 @dataclass
 class GenerationResult:
-    tokens: Any  # (B, n) int64: the generated tokens, prompt excluded
+    tokens: Any  # (B, n) int64: the generated tokens, prompt excluded; after a row's EOS: the pad id
+    lengths: list[int]  # per row: generated tokens up to and including its EOS
     ttft_ms: float
     ms_per_token: float | None  # None when only one token was generated (no decode step)
     tokens_per_s: float | None
     backend: str
     timings: dict[str, float] = field(default_factory=dict)
+    text: list[str] | None = None  # decoded with the model's tokenizer, when it has one
 
 
 class InferEngine:
@@ -49,6 +51,7 @@ class InferEngine:
 
         self.backend = current_backend() if backend is None else resolve(backend, "InferEngine(backend=...)")
         self.model = LlamaModel.from_pretrained(model_path, dtype)
+        self.tokenizer = _local_tokenizer(model_path)
         self.num_workers, self.num_local_schedulers = num_workers, num_local_schedulers
         self._decoders: dict[tuple[Any, ...], Any] = {}
         self._tokens = self._step = None
@@ -89,10 +92,24 @@ class InferEngine:
         gen = torch.Generator().manual_seed(config.seed)
         return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=gen)[:, 0]
 
+    def encode(self, prompts: str | list[str]) -> Any:
+        """Token ids (B, P) for text prompts (left-padded to one length), with the model's tokenizer."""
+        import torch
+
+        if self.tokenizer is None:
+            raise ModelError("this model directory has no tokenizer; pass token ids (a (batch, len) int tensor)")
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        rows = [self.tokenizer(t)["input_ids"] for t in texts]
+        if len({len(r) for r in rows}) != 1:
+            raise ModelError("text prompts of different token lengths are not supported yet; batch equal lengths")
+        return torch.tensor(rows, dtype=torch.int64)
+
     def generate(self, input_ids: Any, config: GenerationConfig | None = None) -> GenerationResult:
         import torch
 
         config = config or GenerationConfig()
+        if isinstance(input_ids, (str, list)):
+            input_ids = self.encode(input_ids)
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
             raise ModelError(f"input_ids must be a (batch, prompt_len) int tensor, got {tuple(input_ids.shape)} "
                              f"{input_ids.dtype}")
@@ -102,7 +119,12 @@ class InferEngine:
         eos = self.config.eos_token_id if config.eos_token_id is None else config.eos_token_id
         eos_ids = (eos,) if isinstance(eos, int) else tuple(eos)
         max_len = prompt + config.max_new_tokens + 1
+        window = self.config.sliding_window
+        if window is not None and max_len > window:
+            raise ModelError(f"prompt + new tokens ({max_len}) exceed the model's sliding window ({window}); "
+                             "sliding-window attention is not supported yet")
         self.reset_cache(batch, max_len)
+        self._tokens.zero_()
         start = time.perf_counter()
         positions = torch.arange(prompt).expand(batch, prompt)
         logits = self.forward(input_ids.to(torch.int64), positions)[:, -1]
@@ -127,9 +149,30 @@ class InferEngine:
         steps = decoder(config.max_new_tokens - 1)
         decode_s = time.perf_counter() - decode_start
         generated = self._tokens[:, prompt:prompt + 1 + steps].clone()
+        pad = eos_ids[0] if eos_ids else 0
+        lengths = []
+        for row in generated:
+            hits = [i for i, t in enumerate(row.tolist()) if t in eos_ids]
+            end = hits[0] + 1 if hits else len(row)
+            row[end:] = pad  # a finished row is not written after its EOS
+            lengths.append(end)
+        text = None
+        if self.tokenizer is not None:
+            text = [self.tokenizer.decode(row[:n].tolist()) for row, n in zip(generated, lengths, strict=True)]
         per_token = decode_s / steps if steps else None
         return GenerationResult(
-            tokens=generated, ttft_ms=ttft * 1e3, ms_per_token=per_token * 1e3 if per_token else None,
+            tokens=generated, lengths=lengths, text=text, ttft_ms=ttft * 1e3,
+            ms_per_token=per_token * 1e3 if per_token else None,
             tokens_per_s=batch / per_token if per_token else None, backend=self.backend.name,
             timings={"compile_s": compile_s, "decode_s": decode_s, "steps": steps},
         )
+
+
+def _local_tokenizer(model_path: str | Path) -> Any:
+    """The model directory's tokenizer (local files only), or None when it has none."""
+    path = Path(model_path)
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

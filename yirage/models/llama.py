@@ -38,6 +38,7 @@ class LlamaConfig:
     tie_embeddings: bool
     qkv_bias: bool
     eos_token_id: tuple[int, ...]
+    sliding_window: int | None = None  # attention span limit; longer sequences are refused
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
@@ -49,6 +50,11 @@ class LlamaConfig:
         if scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
             raise ModelError(f"RoPE scaling {scaling} is not supported yet; only plain RoPE (rope_theta)")
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        if cfg.get("mlp_bias"):
+            raise ModelError("mlp_bias=True (biases on gate/up/down) is not supported yet")
+        if cfg.get("attention_bias") and kind != "qwen2":
+            raise ModelError("attention_bias=True (q/k/v and o_proj biases) is not supported yet for "
+                             f"{kind}; Qwen2's q/k/v biases are")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         return cls(
@@ -63,8 +69,10 @@ class LlamaConfig:
             rope_theta=float(theta),
             eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=kind == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=kind == "qwen2",
             eos_token_id=tuple([] if eos is None else [eos] if isinstance(eos, int) else eos),
+            sliding_window=(cfg.get("sliding_window") if cfg.get("use_sliding_window", kind == "mistral")
+                            else None),
         )
 
     @property

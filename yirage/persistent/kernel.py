@@ -125,13 +125,19 @@ class PersistentKernel:
             raise LayerError(f"new_tensor({name!r}): unsupported dtype {dtype_name}")
         return self._register(name or f"t{len(self.tensors)}", dims_t, dtype_name, False, None)
 
-    def _own(self, layer: str, role: str, t: Any) -> PKTensor:
+    def _own(self, layer: str, role: str, t: Any, kind: str = "activation") -> PKTensor:
+        """Check ownership, write-before-read and dtype: weights may be narrow, the rest is float32."""
         if not isinstance(t, PKTensor) or self.tensors.get(t.name) is not t:
             raise LayerError(f"{layer}: {role} must be a tensor of this PersistentKernel "
                              f"(from attach_input or new_tensor), got {t!r}")
         if not t.attached and t.name not in self._written:
             raise LayerError(f"{layer}: {role} {t.name!r} is read before any layer writes it; "
                              "add the layer that produces it first")
+        if kind == "weight" and t.dtype not in _FLOATS:
+            raise LayerError(f"{layer}: {role} {t.name!r} is {t.dtype}; weights must be one of {_FLOATS}")
+        if kind == "activation" and t.attached and t is not self.tokens_tensor and t.dtype != "float32":
+            raise LayerError(f"{layer}: {role} {t.name!r} is {t.dtype}; attach activations, KV caches and "
+                             "RoPE tables as float32 (only weights may be bfloat16/float16)")
         return t
 
     def _add(self, kind: str, inputs: dict[str, PKTensor], output: PKTensor, tasks: int, **params: Any) -> None:
@@ -155,7 +161,7 @@ class PersistentKernel:
     def embed_layer(self, input: PKTensor, weight: PKTensor, output: PKTensor, grid_dim: Any = 1,
                     block_dim: Any = None) -> None:
         name = "embed_layer"
-        input, weight = self._own(name, "input", input), self._own(name, "weight", weight)
+        input, weight = self._own(name, "input", input), self._own(name, "weight", weight, "weight")
         require(input is self.tokens_tensor, name, "input must be the tokens meta tensor (the current token is read "
                                                    "at tokens[b, step[b]])")
         require(len(weight.dims) == 2, name, f"weight must be (vocab, hidden), got {weight.dims}")
@@ -173,14 +179,14 @@ class PersistentKernel:
         require(len(x.dims) == 2 and x.dims[0] == self.batch, name,
                 f"input must be (batch={self.batch}, K), got {x.dims}")
         k = x.dims[1]
-        self._dims(name, "weight_norm", self._own(name, "weight_norm", weight_norm), (k,))
-        w = self._own(name, "weight_linear", weight_linear)
+        self._dims(name, "weight_norm", self._own(name, "weight_norm", weight_norm, "weight"), (k,))
+        w = self._own(name, "weight_linear", weight_linear, "weight")
         require(len(w.dims) == 2 and w.dims[1] == k, name,
                 f"weight_linear must be (N, {k}) like nn.Linear, got {w.dims}")
         self._dims(name, "output", output, (self.batch, w.dims[0]))
         inputs = {"input": x, "weight_norm": weight_norm, "weight_linear": w}
         if bias is not None:
-            self._dims(name, "bias", self._own(name, "bias", bias), (w.dims[0],))
+            self._dims(name, "bias", self._own(name, "bias", bias, "weight"), (w.dims[0],))
             inputs["bias"] = bias
         tasks = _grid(grid_dim)
         split_ok(name, w.dims[0], tasks)
@@ -216,7 +222,8 @@ class PersistentKernel:
                 f"input must be (batch, kv_heads * (group + 2) * head_dim), got {x.dims}")
         group = x.dims[1] // (kv_heads * head_dim) - 2
         require(group >= 1, name, f"input {x.dims} is too narrow for q, k and v of {kv_heads} kv heads")
-        assert output is not None
+        if output is None:
+            raise LayerError(f"{name}: output is required (a new_tensor of (batch, heads * head_dim))")
         self._dims(name, "output", output, (self.batch, kv_heads * group * head_dim))
         tasks = self.batch * kv_heads
         if grid_dim is not None:
@@ -237,7 +244,7 @@ class PersistentKernel:
     def _linear_residual(self, kind: str, input: PKTensor, weight: PKTensor, residual: PKTensor, output: PKTensor,
                          grid_dim: Any, widen: int) -> None:
         name = f"{kind}_layer"
-        x, w = self._own(name, "input", input), self._own(name, "weight", weight)
+        x, w = self._own(name, "input", input), self._own(name, "weight", weight, "weight")
         r = self._own(name, "residual", residual)
         require(len(w.dims) == 2, name, f"weight must be (N, K) like nn.Linear, got {w.dims}")
         self._dims(name, "input", x, (self.batch, w.dims[1] * widen))
@@ -290,10 +297,22 @@ class PersistentKernel:
             raise LayerError(f"need num_workers >= 1 and num_local_schedulers >= 0 (0: workers schedule), got {config}")
         return config
 
+    def check_meta(self) -> None:
+        """step and the current tokens must be in range: compiled runtimes index memory with them."""
+        vocab = next((lay.inputs["weight"].dims[0] for lay in self.layers if lay.kind == "embed"), None)
+        for b in range(self.batch):
+            pos = int(self.step[b])
+            if not 0 <= pos < self.max_seq_length:
+                raise LayerError(f"step[{b}] = {pos} is outside [0, max_seq_length={self.max_seq_length})")
+            tok = int(self.tokens[b, pos])
+            if vocab is not None and not 0 <= tok < vocab:
+                raise LayerError(f"tokens[{b}, {pos}] = {tok} is not a token id in [0, {vocab})")
+
     def __call__(self, max_new_tokens: int | None = None) -> int:
         """Decode until EOS or max_seq_length (or ``max_new_tokens`` steps); returns steps run."""
         if self.runtime is None:
             self.compile()
+        self.check_meta()
         return int(self.runtime.run(max_new_tokens))
 
     def __str__(self) -> str:

@@ -335,7 +335,8 @@ class CPUPersistentRuntime:
         than asked for, at least one thread stays a worker.
         """
         threads = max(1, min(self.workers + self.schedulers, numba.config.NUMBA_NUM_THREADS))
-        schedulers = min(self.schedulers, threads - 1)
+        share = round(threads * self.schedulers / (self.workers + self.schedulers))
+        schedulers = min(share if self.schedulers else 0, threads // 2)  # at least half the threads work
         return threads, threads - schedulers, schedulers
 
     def run(self, max_new_tokens: int | None = None) -> int:
