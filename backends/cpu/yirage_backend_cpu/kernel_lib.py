@@ -70,3 +70,15 @@ def as_pointer(typingctx, address):  # type: ignore[no-untyped-def]
         return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
 
     return types.voidptr(address), codegen
+
+
+@intrinsic
+def half_to_float(typingctx, bits):  # type: ignore[no-untyped-def]
+    """IEEE half bits (uint16) to float32 by LLVM's fpext: F16C's vcvtph2ps where the CPU has it."""
+    if not isinstance(bits, types.Integer) or bits.bitwidth != 16:
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(bits), codegen

@@ -14,7 +14,7 @@ import numba
 import numpy as np
 from numba import njit
 
-from yirage_backend_cpu.kernel_lib import as_pointer, fexp
+from yirage_backend_cpu.kernel_lib import as_pointer, fexp, half_to_float
 
 U = np.uint64
 F = np.float32
@@ -45,15 +45,7 @@ def bf16(bits):  # type: ignore[no-untyped-def]
 
 @njit(inline="always", **OPTS)
 def f16(bits):  # type: ignore[no-untyped-def]
-    h = np.uint32(bits)
-    sign = (h & np.uint32(0x8000)) << np.uint32(16)
-    exp = (h >> np.uint32(10)) & np.uint32(0x1F)
-    man = h & np.uint32(0x3FF)
-    normal = np.uint32(sign | ((exp + np.uint32(112)) << np.uint32(23)) | (man << np.uint32(13))).view(np.float32)
-    special = np.uint32(sign | np.uint32(0x7F800000) | (man << np.uint32(13))).view(np.float32)
-    tiny = F(man) * F(5.9604644775390625e-08)
-    tiny = -tiny if sign else tiny
-    return special if exp == np.uint32(31) else (tiny if exp == np.uint32(0) else normal)
+    return half_to_float(np.uint16(bits))
 
 
 @njit(inline="always", **OPTS)
