@@ -149,7 +149,7 @@ def kernel_def(emit: Emitter, name: str, args: Sequence[Buffer], parallel: bool)
     views per call, which is most of a tiny graph's call overhead.
     """
     ints = ", ".join(["int64"] * len(args))
-    emit(f'@njit("int64({ints})", parallel={parallel}, fastmath=True, error_model="numpy", nogil=True, cache=True)')
+    emit(f'@njit("int64({ints})", parallel={parallel}, fastmath=FASTMATH, error_model="numpy", nogil=True, cache=True)')
     emit(f"def {name}({', '.join(f'{b.name}_p' for b in args)}):")
     emit.depth += 1
     for b in args:

@@ -182,7 +182,7 @@ def run_role(w, is_sched, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, e
     atomic_add(ctl, 4 + is_sched, -1)
 
 
-@njit(parallel=True, fastmath=True, error_model="numpy", nogil=True, cache=True)
+@njit(parallel=True, fastmath=OPTS["fastmath"], error_model="numpy", nogil=True, cache=True)
 def decode(addr, tdt, tnum, lp, lf, task_layer, task_index, ev_ptr, ev_list, waits, trigger, gate_ptr, gate_list,
            n_workers, n_sched, max_steps, eos, max_seq, batch, tokens_id, tok_cols, step_id, pick_id,
            scratch, scr, profile, steps_run):  # type: ignore[no-untyped-def]

@@ -14,11 +14,11 @@ import numba
 import numpy as np
 from numba import njit
 
-from yirage_backend_cpu.kernel_lib import as_pointer, fexp, half_to_float
+from yirage_backend_cpu.kernel_lib import FASTMATH, as_pointer, fexp, half_to_float
 
 U = np.uint64
 F = np.float32
-OPTS = {"fastmath": True, "error_model": "numpy", "nogil": True, "cache": True}
+OPTS = {"fastmath": FASTMATH, "error_model": "numpy", "nogil": True, "cache": True}
 
 F32, BF16, F16, I64 = 0, 1, 2, 3
 

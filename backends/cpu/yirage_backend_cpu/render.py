@@ -231,7 +231,7 @@ def render_module(plan: KernelPlan, version: str) -> str:
     emit("import torch")
     emit("from numba import njit, prange")
     emit("")
-    emit("from yirage_backend_cpu.kernel_lib import as_pointer, dgelu, dsilu, fexp, fgelu, fsilu")
+    emit("from yirage_backend_cpu.kernel_lib import FASTMATH, as_pointer, dgelu, dsilu, fexp, fgelu, fsilu")
     emit("")
     emit("U = np.uint64")
     emit("_keep = (math, prange, dgelu, dsilu, fexp, fgelu, fsilu)")
