@@ -46,7 +46,8 @@ def unique(prefix: str) -> str:
 @pytest.fixture(autouse=True)
 def private_settings(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Keep the user's saved default backend (and yirage env vars) out of every test."""
-    for key in ("YIRAGE_BACKEND", "YIRAGE_PLUGINS", "YIRAGE_DISABLE_PLUGIN_AUTOLOAD", "YIRAGE_LOG_LEVEL"):
+    for key in ("YIRAGE_BACKEND", "YIRAGE_PLUGINS", "YIRAGE_DISABLE_PLUGIN_AUTOLOAD", "YIRAGE_LOG_LEVEL",
+                "YIRAGE_PROBE_TIMEOUT"):
         monkeypatch.delenv(key, raising=False)
     settings = tmp_path_factory.mktemp("settings")
     monkeypatch.setenv("YIRAGE_CONFIG_DIR", str(settings))

@@ -60,7 +60,7 @@ def test_pip_installed_plugin_is_discovered_listed_and_selectable(site) -> None:
 
     chosen = run(site, ["-c", "import yirage as yr; yr.set_backend('example'); print(yr.get_backend().value)"])
     assert chosen.stdout.strip() == "example", chosen.stderr
-    assert "crasher" in chosen.stderr and "vendor SDK not initialised" in chosen.stderr
+    assert "crasher" not in chosen.stderr  # a name lookup imports only the plugin named like it (issue 7)
     via_env = run(site, ["-c", "import yirage as yr; print(yr.get_backend().value)"], YIRAGE_BACKEND="example")
     assert via_env.stdout.strip() == "example", via_env.stderr
 

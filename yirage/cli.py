@@ -45,6 +45,7 @@ def collect_info() -> dict[str, Any]:
         "backends": backends,
         "plugins": plugins,
         "conflicts": list(reg.conflicts),
+        "probe_timeout": reg.plugins.time_limit,
         "default": default,
         "settings_file": str(config.config_path()),
     }
@@ -100,6 +101,7 @@ def print_info(info: dict[str, Any]) -> None:
         for message in info["conflicts"]:
             print(f"  {message}")
     print()
+    print(f"Time limit per plugin import and probe: {info['probe_timeout']:g} s (YIRAGE_PROBE_TIMEOUT)")
     default = info["default"]
     if default["backend"]:
         print(f"Default backend: {default['backend']} (requested: {default['requested']})")

@@ -2,12 +2,18 @@
 
 Lives in ``$YIRAGE_CONFIG_DIR`` or ``$XDG_CONFIG_HOME/yirage`` or
 ``~/.config/yirage``. ``YIRAGE_BACKEND`` always wins over it.
+
+Also reads ``YIRAGE_PROBE_TIMEOUT``: how many seconds one plugin's import and
+one backend's probe may take before yirage gives up on it (default 20), so a
+plugin that hangs cannot hang discovery or selection.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +22,29 @@ from yirage.errors import YirageError
 
 class ConfigError(YirageError):
     """The settings file exists but cannot be used."""
+
+
+#: Seconds a plugin's import, its ``yirage_backends`` hook or a backend's
+#: probe may take when ``YIRAGE_PROBE_TIMEOUT`` is not set.
+DEFAULT_PROBE_TIMEOUT = 20.0
+
+
+def probe_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """``YIRAGE_PROBE_TIMEOUT`` in seconds, checked, so one hanging plugin cannot hang yirage."""
+    env = os.environ if environ is None else environ
+    raw = env.get("YIRAGE_PROBE_TIMEOUT", "").strip()
+    if not raw:
+        return DEFAULT_PROBE_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(
+            f"YIRAGE_PROBE_TIMEOUT={raw!r} is not a positive number of seconds; set it to e.g. "
+            f"{DEFAULT_PROBE_TIMEOUT:g} (how long one plugin import or backend probe may take) or unset it"
+        )
+    return value
 
 
 def config_path() -> Path:

@@ -9,10 +9,12 @@ the ``yirage_backends`` hook.
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from yirage.errors import NotSupportedError
+from yirage.errors import NotSupportedError, PluginError
 
 #: The plugin-API version this yirage speaks. A plugin module declares the
 #: version it was written for as ``YIRAGE_PLUGIN_API = 1``.
@@ -93,20 +95,47 @@ class Backend:
         raise NotImplementedError(f"backend {self.name!r} does not implement probe()")
 
     def availability(self) -> Availability:
-        """The memoized probe; a probe that raises is reported, not fatal."""
+        """The memoized probe, run with a time limit and checked.
+
+        A probe that raises, hangs (``YIRAGE_PROBE_TIMEOUT``) or answers
+        with anything but a well-formed Availability makes the backend
+        unavailable with a reason naming the plugin; it never takes the host down.
+        """
         if self._availability is None:
-            try:
-                answer = self.probe()
-            except Exception as exc:  # noqa: BLE001 - a broken probe must not take the host down
-                logger.warning("probe of backend %r raised", self.name, exc_info=True)
-                answer = Availability(False, f"the probe raised {type(exc).__name__}: {exc}")
-            if not isinstance(answer, Availability):
-                logger.warning("probe of backend %r returned %r, not an Availability", self.name, answer)
-                answer = Availability(
-                    False, f"the probe returned {answer!r} instead of an Availability (a bug in the plugin)"
-                )
-            self._availability = answer
+            self._availability = self._timed_probe()
         return self._availability
+
+    def _timed_probe(self) -> Availability:
+        limit = getattr(self, "_probe_timeout", None)
+        if limit is None:
+            from yirage import config
+
+            limit = config.probe_timeout()
+        who = plugin_label(self)
+        call = getattr(self, "_probe_call", None)
+        if call is None or call.finished.is_set():  # a probe still hanging from before is waited on, not doubled
+            call = TimedCall(self.probe, f"yirage-probe-{self.name}")
+            self._probe_call = call
+        if not call.wait(limit):
+            message = (
+                f"probe timed out after {limit:g} s: {who} did not answer; fix or uninstall the plugin, "
+                f"or raise YIRAGE_PROBE_TIMEOUT if its device is just slow to wake up"
+            )
+            logger.warning("%s", message)
+            return Availability(False, message)
+        self._probe_call = None
+        if call.error is not None:
+            if not isinstance(call.error, (Exception, SystemExit)):
+                raise call.error
+            logger.warning("probe of backend %r raised", self.name, exc_info=call.error)
+            return Availability(False, f"the probe of {who} raised {type(call.error).__name__}: {call.error}")
+        answer, problem = check_availability(call.result)
+        if problem:
+            message = f"{who}: probe() {problem} (a bug in the plugin; report it to its authors)"
+            logger.warning("%s", message)
+            return Availability(False, message)
+        assert answer is not None
+        return answer
 
     def forget_probe(self) -> None:
         """Drop the memoized probe so the next availability() probes again."""
@@ -162,16 +191,155 @@ class Backend:
 
 
 def validate_backend_class(cls: Any, plugin: str) -> str | None:
-    """Why ``cls`` is not a usable Backend class, or None when it is."""
+    """Why ``cls`` is not a usable Backend class, or None when it is.
+
+    The core relies on these class attributes (sorting by priority, BackendType
+    members by name, torch devices by ``torch_device``), so a plugin that sets
+    them wrongly is refused here, at the boundary, with the plugin named.
+    """
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
-        return f"plugin {plugin!r} returned {cls!r}, which is not a yirage Backend subclass"
+        return f"plugin {plugin!r} returned {safe_repr(cls)}, which is not a yirage Backend subclass"
     if not isinstance(cls.name, str) or not cls.name.isidentifier() or cls.name != cls.name.lower():
         return (
-            f"plugin {plugin!r} returned {cls.__name__} with name {cls.name!r}; "
+            f"plugin {plugin!r} returned {cls.__name__} with name {safe_repr(cls.name)}; "
             "a backend name must be a lower-case identifier such as 'cpu'"
         )
     if cls.name == "auto":
         return f"plugin {plugin!r} returned a backend named 'auto', which is reserved"
-    if not isinstance(cls.priority, int):
-        return f"plugin {plugin!r}: {cls.__name__}.priority must be an int"
+    if not isinstance(cls.priority, int) or isinstance(cls.priority, bool):
+        return (
+            f"plugin {plugin!r}: {cls.__name__}.priority must be an int such as 50, "
+            f"not {safe_repr(cls.priority)} ({type(cls.priority).__name__})"
+        )
+    for attr in ("vendor", "torch_device", "device_kind", "description"):
+        value = getattr(cls, attr)
+        if not isinstance(value, str) and not isinstance(value, property):  # a property is read per device
+            return f"plugin {plugin!r}: {cls.__name__}.{attr} must be a str, not {safe_repr(value)}"
+    dtypes = cls.kernel_dtypes
+    if isinstance(dtypes, property):
+        return None
+    if not isinstance(dtypes, (set, frozenset)) or not all(isinstance(d, str) for d in dtypes):
+        return (
+            f"plugin {plugin!r}: {cls.__name__}.kernel_dtypes must be a frozenset of dtype names "
+            f"such as frozenset({{'float32'}}), not {safe_repr(dtypes)}"
+        )
     return None
+
+
+class TimedCall:
+    """``fn()`` run in a daemon thread that the caller waits for at most a time limit.
+
+    Why: a plugin whose import or probe never returns must not hang the
+    host. The thread is abandoned on timeout (Python cannot kill it); the
+    result, or the exception (any BaseException), is kept for the caller.
+    """
+
+    def __init__(self, fn: Callable[[], Any], thread_name: str) -> None:
+        self._fn = fn
+        self.finished = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self._fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller, which decides
+            self.error = exc
+        finally:
+            self.finished.set()
+
+    def wait(self, timeout: float) -> bool:
+        """True when the call finished within ``timeout`` seconds."""
+        return self.finished.wait(timeout)
+
+
+def safe_repr(value: Any, limit: int = 120) -> str:
+    """``repr(value)`` for messages: shortened, and never raising."""
+    try:
+        text = repr(value)
+    except Exception as exc:  # noqa: BLE001 - a hostile __repr__ must not hide the real problem
+        text = f"<{type(value).__name__} whose repr raised {type(exc).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def plugin_label(backend: Backend) -> str:
+    """Which plugin (distribution and module) a backend came from, for error messages."""
+    cls = type(backend)
+    origin = getattr(backend, "_plugin_origin", "")
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    return f"backend {backend.name!r} ({where}{', ' + origin if origin else ''})"
+
+
+def _kind_problem(field_name: str, value: Any, kinds: tuple[type, ...], allow_none: bool = False) -> str:
+    if value is None and allow_none:
+        return ""
+    if isinstance(value, bool) and bool not in kinds:  # True is an int to Python, not to us
+        ok = False
+    else:
+        ok = isinstance(value, kinds)
+    if ok:
+        return ""
+    wanted = " or ".join(k.__name__ for k in kinds) + (" or None" if allow_none else "")
+    return f"{field_name}={safe_repr(value)} ({type(value).__name__}, not {wanted})"
+
+
+def check_availability(answer: Any) -> tuple[Availability | None, str]:
+    """A clean copy of a probe's answer, or why it is not a well-formed Availability."""
+    if not isinstance(answer, Availability):
+        return None, f"returned {safe_repr(answer)} instead of an Availability"
+    problems = [
+        p for p in (
+            _kind_problem("ok", answer.ok, (bool,)),
+            _kind_problem("reason", answer.reason, (str,)),
+            _kind_problem("auto", answer.auto, (bool,)),
+        ) if p
+    ]
+    if problems:
+        return None, f"returned an Availability with {', '.join(problems)}; ok and auto must be True or False"
+    return Availability(answer.ok, answer.reason, answer.auto), ""
+
+
+def checked_device_info(backend: Backend, index: int = 0) -> DeviceInfo:
+    """``backend.device_info(index)``, refused with a PluginError unless well-formed."""
+    info = backend.device_info(index)
+    if not isinstance(info, DeviceInfo):
+        problems = [f"returned {safe_repr(info)} instead of a DeviceInfo"]
+    else:
+        problems = [p for p in (
+            _kind_problem("name", info.name, (str,)),
+            _kind_problem("vendor", info.vendor, (str,)),
+            _kind_problem("kind", info.kind, (str,)),
+            _kind_problem("compute_units", info.compute_units, (int,), allow_none=True),
+            _kind_problem("memory_bytes", info.memory_bytes, (int,), allow_none=True),
+            _kind_problem("simd_width", info.simd_width, (int,), allow_none=True),
+            _kind_problem("caches", info.caches, (dict,)),
+            _kind_problem("extra", info.extra, (dict,)),
+        ) if p]
+    if problems:
+        raise PluginError(
+            f"{plugin_label(backend)}: device_info({index}) {'; '.join(problems)} "
+            "(a bug in the plugin; report it to its authors)"
+        )
+    return info
+
+
+def checked_memory_info(backend: Backend, index: int = 0) -> MemoryInfo:
+    """``backend.memory_info(index)``, refused with a PluginError unless well-formed."""
+    info = backend.memory_info(index)
+    if not isinstance(info, MemoryInfo):
+        problems = [f"returned {safe_repr(info)} instead of a MemoryInfo"]
+    else:
+        problems = [p for p in (
+            _kind_problem("total", info.total, (int,)),
+            _kind_problem("used", info.used, (int,), allow_none=True),
+            _kind_problem("free", info.free, (int,), allow_none=True),
+            _kind_problem("source", info.source, (str,)),
+        ) if p]
+    if problems:
+        raise PluginError(
+            f"{plugin_label(backend)}: memory_info({index}) {'; '.join(problems)} "
+            "(a bug in the plugin; report it to its authors)"
+        )
+    return info

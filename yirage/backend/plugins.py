@@ -2,7 +2,16 @@
 
 Modelled on pluggy's ``load_setuptools_entrypoints`` but robust: each entry
 point is loaded on its own, so one plugin that raises on import is recorded
-(name, distribution, exception) and skipped while the rest still load.
+(name, distribution, exception) and skipped while the rest still load. Each
+import (and each ``yirage_backends`` hook call) runs in a daemon thread with
+the ``YIRAGE_PROBE_TIMEOUT`` limit (default 20 s): a plugin whose import does
+not finish in time is recorded as failed ("import did not finish within N s")
+and skipped, and yirage never imports that module again in this process while
+the abandoned import still runs (it would wait on Python's import lock).
+
+Discovery is lazy and by name first: asking for backend ``x`` loads the
+entry points named ``x`` (or distributions named ``x`` / ``yirage-backend-x``),
+and only when none provides ``x`` every entry point (``Discovery.load_all``).
 
 Switches, as in pytest and llm:
 
@@ -19,15 +28,23 @@ import importlib.metadata as metadata
 import logging
 import os
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
 import pluggy
 
+from yirage import config
 from yirage.backend import hookspecs
-from yirage.backend.base import PLUGIN_API_VERSION, SUPPORTED_PLUGIN_APIS, Backend, validate_backend_class
+from yirage.backend.base import (
+    PLUGIN_API_VERSION,
+    SUPPORTED_PLUGIN_APIS,
+    Backend,
+    TimedCall,
+    validate_backend_class,
+)
 from yirage.errors import PluginAPIVersionError
 
 logger = logging.getLogger("yirage.plugins")
@@ -56,6 +73,59 @@ class PluginRecord:
     version: str
     status: str  # "loaded", "failed", "refused", "skipped", "excluded"
     error: str = ""
+
+
+class ImportTimeout(Exception):
+    """A plugin import that did not finish within the time limit (internal signal)."""
+
+
+#: Imports abandoned after a timeout, by module name; their threads may still run.
+_abandoned: dict[str, TimedCall] = {}
+_abandoned_lock = threading.Lock()
+
+
+def _still_importing(module: str) -> str | None:
+    """The module (or parent package) of ``module`` an abandoned import still holds."""
+    parts = module.split(".")
+    with _abandoned_lock:
+        for end in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:end])
+            call = _abandoned.get(prefix)
+            if call is not None:
+                if not call.finished.is_set():
+                    return prefix
+                del _abandoned[prefix]  # it finished after all: importing it again is safe
+    return None
+
+
+def timed_import(load: Callable[[], Any], module: str, limit: float) -> Any:
+    """``load()`` (an import) in a daemon thread; ImportTimeout if it takes over ``limit`` s.
+
+    Why a thread: Python cannot interrupt a hanging import. The abandoned
+    thread keeps the module's import lock, so the module is remembered and
+    never imported again from here while that thread runs.
+    """
+    stuck = _still_importing(module)
+    if stuck is not None:
+        raise ImportTimeout(
+            f"import did not finish within {limit:g} s (an earlier import of {stuck!r} "
+            "in this process is still running)"
+        )
+    call = TimedCall(load, f"yirage-import-{module}")
+    if not call.wait(limit):
+        with _abandoned_lock:
+            _abandoned[module] = call
+        raise ImportTimeout(f"import did not finish within {limit:g} s")
+    if call.error is not None:
+        raise call.error
+    return call.result
+
+
+def _timeout_advice(limit: float) -> str:
+    return (
+        "it hangs while importing: fix or uninstall it, leave it out with YIRAGE_PLUGINS, "
+        f"or raise YIRAGE_PROBE_TIMEOUT (now {limit:g} s) if it is only slow"
+    )
 
 
 def normalize(name: str) -> str:
@@ -90,11 +160,13 @@ def check_plugin_api(module: Any, plugin: str) -> None:
 class PluginSet:
     """The loaded plugins, the Backend classes they gave, and what failed."""
 
-    def __init__(self) -> None:
+    def __init__(self, time_limit: float = config.DEFAULT_PROBE_TIMEOUT) -> None:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
+        self.time_limit = time_limit
         self.records: list[PluginRecord] = []
         self.backend_classes: list[tuple[type[Backend], PluginRecord]] = []
+        self.handled: set[tuple[str, str, str]] = set()  # entry points already loaded or excluded
 
     # -- loading ---------------------------------------------------------
     def add(self, module: ModuleType | Any, name: str, distribution: str, version: str) -> PluginRecord:
@@ -126,11 +198,20 @@ class PluginSet:
         impls = [i for i in self.pm.hook.yirage_backends.get_hookimpls() if i.plugin is module]
         classes: list[Any] = []
         for impl in impls:
-            try:
-                classes += list(impl.function() or [])
-            except Exception as exc:  # noqa: BLE001 - a plugin's hook must not take the host down
+            call = TimedCall(lambda f=impl.function: list(f() or []), f"yirage-hook-{record.name}")
+            if not call.wait(self.time_limit):
+                return replace(record, status="failed", error=(
+                    f"plugin {record.name!r} ({record.distribution}, module {record.module}): yirage_backends() "
+                    f"did not return within {self.time_limit:g} s; fix or uninstall the plugin, "
+                    "or raise YIRAGE_PROBE_TIMEOUT"
+                ))
+            exc = call.error
+            if exc is not None:
+                if not isinstance(exc, (Exception, SystemExit)):
+                    raise exc
                 return replace(record, status="failed",
                                error=f"plugin {record.name!r}: yirage_backends() raised {type(exc).__name__}: {exc}")
+            classes += call.result
         problems = [p for p in (validate_backend_class(cls, record.name) for cls in classes) if p]
         good = [cls for cls in classes if validate_backend_class(cls, record.name) is None]
         if problems:
@@ -139,6 +220,7 @@ class PluginSet:
         return record
 
     def load_entry_point(self, ep: metadata.EntryPoint) -> PluginRecord:
+        self.handled.add(ep_key(ep))
         dist = getattr(ep, "dist", None)
         dist_name = _distribution_name(ep) or "?"
         dist_version = dist.version if dist is not None else "?"
@@ -150,7 +232,16 @@ class PluginSet:
             self.records.append(record)
             return record
         try:
-            module = ep.load()
+            module = timed_import(ep.load, ep.module, self.time_limit)
+        except ImportTimeout as exc:
+            message = (
+                f"plugin {ep.name!r} from distribution {dist_name} {dist_version} (module {ep.module}) "
+                f"was skipped: its {exc}; {_timeout_advice(self.time_limit)}"
+            )
+            logger.warning("%s", message)
+            record = PluginRecord(ep.name, ep.value, dist_name, dist_version, "failed", message)
+            self.records.append(record)
+            return record
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a crashing plugin is reported and skipped
             message = (
                 f"plugin {ep.name!r} from distribution {dist_name} {dist_version} "
@@ -168,7 +259,16 @@ class PluginSet:
             self.records.append(record)
             return record
         try:
-            module = importlib.import_module(path)
+            module = timed_import(lambda: importlib.import_module(path), path, self.time_limit)
+        except ImportTimeout as exc:
+            message = (
+                f"plugin module {path!r} named in YIRAGE_PLUGINS was skipped: its {exc}; "
+                f"{_timeout_advice(self.time_limit)}"
+            )
+            logger.warning("%s", message)
+            record = PluginRecord(path, path, "?", "?", "failed", message)
+            self.records.append(record)
+            return record
         except ModuleNotFoundError as exc:
             if exc.name != path.split(".")[0] and exc.name != path:
                 message = f"plugin module {path!r} named in YIRAGE_PLUGINS failed to import: ModuleNotFoundError: {exc}"
@@ -191,6 +291,7 @@ class PluginSet:
 
     def exclude(self, ep: metadata.EntryPoint, why: str) -> None:
         """Record an installed plugin that the switches kept from loading."""
+        self.handled.add(ep_key(ep))
         dist = getattr(ep, "dist", None)
         self.records.append(PluginRecord(
             ep.name, ep.value, _distribution_name(ep) or "?", dist.version if dist is not None else "?",
@@ -210,36 +311,101 @@ def _core_version() -> str:
         return "source"
 
 
-def discover(environ: Mapping[str, str] | None = None) -> PluginSet:
-    """Load the core's own plugin, then the entry points the switches allow."""
-    from yirage.backend import reference
+def ep_key(ep: metadata.EntryPoint) -> tuple[str, str, str]:
+    return (_distribution_name(ep), ep.name, ep.value)
 
-    env = os.environ if environ is None else environ
-    plugins = PluginSet()
-    plugins.add(reference, "reference", CORE_DISTRIBUTION, _core_version())
 
-    allow = _allow_list(env)
-    wanted = {normalize(name) for name in allow or ()}
-    autoload = not env.get("YIRAGE_DISABLE_PLUGIN_AUTOLOAD")  # any non-empty value disables, as in pytest
-    eps = sorted(
-        metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP),
-        key=lambda ep: (_distribution_name(ep) not in BUILTIN_DISTRIBUTIONS, _distribution_name(ep), ep.name),
-    )
-    matched: set[str] = set()
-    for ep in eps:
+def _ep_order(ep: metadata.EntryPoint) -> tuple[bool, str, str]:
+    """Built-in distributions first (they win name clashes), then by distribution and name."""
+    return (_distribution_name(ep) not in BUILTIN_DISTRIBUTIONS, _distribution_name(ep), ep.name)
+
+
+def record_order(record: PluginRecord) -> tuple[int, str, str]:
+    """The order full discovery loads plugins in: core, built-ins, third parties, YIRAGE_PLUGINS modules."""
+    if record.distribution == CORE_DISTRIBUTION:
+        rank = 0
+    elif record.distribution in BUILTIN_DISTRIBUTIONS:
+        rank = 1
+    elif record.distribution == "(YIRAGE_PLUGINS)":
+        rank = 3
+    else:
+        rank = 2
+    return (rank, record.distribution, record.name)
+
+
+def _lookup_names(ep: metadata.EntryPoint) -> set[str]:
+    """The backend names an entry point probably provides, judged by its names alone."""
+    dist = normalize(_distribution_name(ep))
+    names = {normalize(ep.name), dist}
+    if dist.startswith("yirage-backend-"):
+        names.add(dist.removeprefix("yirage-backend-"))
+    return names
+
+
+class Discovery:
+    """Loads plugins on demand under the switches: by backend name first, all when needed."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        from yirage.backend import reference
+
+        self.env = os.environ if environ is None else environ
+        self.plugins = PluginSet(config.probe_timeout(self.env))
+        self.plugins.add(reference, "reference", CORE_DISTRIBUTION, _core_version())
+        self.allow = _allow_list(self.env)
+        self.wanted = {normalize(name) for name in self.allow or ()}
+        self.autoload = not self.env.get("YIRAGE_DISABLE_PLUGIN_AUTOLOAD")  # any non-empty value disables
+        self.complete = False
+        self._eps: list[metadata.EntryPoint] | None = None
+
+    def entry_points(self) -> list[metadata.EntryPoint]:
+        if self._eps is None:
+            self._eps = sorted(metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP), key=_ep_order)
+        return self._eps
+
+    def _permitted(self, ep: metadata.EntryPoint) -> bool:
         names = {normalize(ep.name), normalize(_distribution_name(ep))}
-        if allow is not None:
-            hit = names & wanted
-            if not hit:
-                plugins.exclude(ep, f"not named in YIRAGE_PLUGINS={env.get('YIRAGE_PLUGINS')!r}")
+        if self.allow is not None:
+            return bool(names & self.wanted)
+        return self.autoload
+
+    def load_named(self, name: str, builtins_too: bool = False) -> None:
+        """Load the permitted entry points named like backend ``name`` (and all built-ins if asked)."""
+        if self.complete:
+            return
+        key = normalize(name)
+        for ep in self.entry_points():
+            if ep_key(ep) in self.plugins.handled or not self._permitted(ep):
                 continue
-            matched |= hit
-        elif not autoload:
-            plugins.exclude(ep, "YIRAGE_DISABLE_PLUGIN_AUTOLOAD is set")
-            continue
-        plugins.load_entry_point(ep)
-    known = sorted({ep.name for ep in eps} | {_distribution_name(ep) for ep in eps})
-    for name in allow or ():
-        if normalize(name) not in matched and normalize(name) != "reference":
-            plugins.load_module_path(name, known)
-    return plugins
+            builtin = _distribution_name(ep) in BUILTIN_DISTRIBUTIONS
+            if key in _lookup_names(ep) or (builtins_too and builtin):
+                self.plugins.load_entry_point(ep)
+
+    def load_all(self) -> None:
+        """Load or exclude every entry point, then the module paths of YIRAGE_PLUGINS."""
+        if self.complete:
+            return
+        eps = self.entry_points()
+        matched: set[str] = set()
+        for ep in eps:
+            if self.allow is not None:
+                matched |= {normalize(ep.name), normalize(_distribution_name(ep))} & self.wanted
+            if ep_key(ep) in self.plugins.handled:
+                continue
+            if self.allow is not None and not self._permitted(ep):
+                self.plugins.exclude(ep, f"not named in YIRAGE_PLUGINS={self.env.get('YIRAGE_PLUGINS')!r}")
+            elif self.allow is None and not self.autoload:
+                self.plugins.exclude(ep, "YIRAGE_DISABLE_PLUGIN_AUTOLOAD is set")
+            else:
+                self.plugins.load_entry_point(ep)
+        known = sorted({ep.name for ep in eps} | {_distribution_name(ep) for ep in eps})
+        for name in self.allow or ():
+            if normalize(name) not in matched and normalize(name) != "reference":
+                self.plugins.load_module_path(name, known)
+        self.complete = True
+
+
+def discover(environ: Mapping[str, str] | None = None) -> PluginSet:
+    """Load the core's own plugin, then every entry point the switches allow."""
+    discovery = Discovery(environ)
+    discovery.load_all()
+    return discovery.plugins

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from yirage import config
-from yirage.backend.base import Backend
+from yirage.backend.base import Backend, checked_device_info, checked_memory_info
 from yirage.backend.registry import Registry
 from yirage.errors import BackendUnavailableError, UnknownBackendError
 
@@ -236,7 +236,10 @@ def get_available_backends() -> list[BackendType]:
 
 
 def is_backend_available(name: Any) -> bool:
-    """False for unknown names and non-strings; never raises."""
+    """False for unknown names and non-strings; loads only the plugins named like ``name``.
+
+    Never raises for the name; a malformed ``YIRAGE_PROBE_TIMEOUT`` is still a ConfigError.
+    """
     try:
         key = _normalize(name)
     except TypeError:
@@ -274,8 +277,8 @@ def describe(backend: Backend) -> dict[str, Any]:
     if avail.ok:
         try:
             info["device_count"] = backend.device_count()
-            info["device"] = backend.device_info(0).as_dict()
-            info["memory"] = backend.memory_info(0).as_dict()
+            info["device"] = checked_device_info(backend, 0).as_dict()
+            info["memory"] = checked_memory_info(backend, 0).as_dict()
         except Exception as exc:  # noqa: BLE001 - report a failing driver query, keep describing the rest
             logger.warning("describing backend %r failed", backend.name, exc_info=True)
             info["error"] = f"describing the device failed: {type(exc).__name__}: {exc}"
@@ -284,7 +287,7 @@ def describe(backend: Backend) -> dict[str, Any]:
 
 def get_memory_info(name: str | BackendType | None = None) -> dict[str, Any]:
     backend = current_backend() if name is None else resolve(name)
-    return backend.memory_info(0).as_dict()
+    return checked_memory_info(backend, 0).as_dict()
 
 
 read_environment()
