@@ -22,7 +22,7 @@ g.mark_output(g.silu(g.matmul(g.mul(g.rms_norm(x, (256,)), gw), w)))
 exe = g.compile()
 out = exe([torch.ones(4, 256), torch.ones(256), torch.ones(128, 256).t()])[0]
 stats = {}
-for name, fn in exe._run.__globals__.items():
+for name, fn in exe._run.__wrapped__.__globals__.items():
     if hasattr(fn, "stats") and name.startswith("k"):
         stats[name] = {"hits": sum(fn.stats.cache_hits.values()), "misses": sum(fn.stats.cache_misses.values())}
 print(json.dumps({"seconds": exe.compile_seconds, "stats": stats, "sum": float(out.sum())}))

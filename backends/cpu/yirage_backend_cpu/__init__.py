@@ -21,7 +21,7 @@ class CPUBackend(yirage.Backend):
     vendor = "host"
     torch_device = "cpu"
     device_kind = "cpu"
-    description = "numba-generated kernels (parallel=True, OpenMP/workqueue layer) on the host CPU"
+    description = "numba-generated kernels (parallel=True on the TBB threading layer) on the host CPU"
 
     def probe(self) -> yirage.Availability:
         if not module_installed("numba"):
@@ -32,9 +32,12 @@ class CPUBackend(yirage.Backend):
             numba = importlib.import_module("numba")
         except ImportError as exc:  # e.g. a numpy release numba does not support yet
             return yirage.Availability(False, f"numba is installed but does not import: {exc}")
+        from yirage_backend_cpu.threads import prepare
+
+        layer = prepare()
         info = host_device_info()
         return yirage.Availability(
-            True, f"numba {numba.__version__} on {info.compute_units} cores of {info.name}"
+            True, f"numba {numba.__version__} on {info.compute_units} cores of {info.name} (threading layer: {layer})"
         )
 
     def device_info(self, index: int = 0) -> yirage.DeviceInfo:

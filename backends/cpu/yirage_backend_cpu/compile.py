@@ -13,7 +13,6 @@ import functools
 import hashlib
 import importlib.util
 import logging
-import os
 import shutil
 import sys
 import threading
@@ -21,23 +20,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from yirage.compiler.cache import CacheError, cache_root, check_tree, private_dir, private_root, write_private
 from yirage.compiler.kernel_ir import KernelPlan
 from yirage.errors import YirageError
 from yirage_backend_cpu.render import render_module
+from yirage_backend_cpu.threads import guard
+
+__all__ = ["CacheError", "CompileError", "backend_fingerprint", "cache_root", "compile_plan"]
 
 logger = logging.getLogger("yirage.cpu")
-
-
-class CacheError(YirageError, RuntimeError):
-    """A compile-cache entry that cannot be written or loaded."""
-
-
-def cache_root() -> Path:
-    base = os.environ.get("YIRAGE_CACHE_DIR")
-    if base:
-        return Path(base)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "yirage"
 
 
 def _write_if_changed(path: Path, source: str) -> None:
@@ -49,15 +40,7 @@ def _write_if_changed(path: Path, source: str) -> None:
         return
     if current is not None:
         logger.warning("compile-cache file %s differed from its rendering (corrupted or edited); rewriting it", path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(source, encoding="utf-8")
-        tmp.replace(path)
-    except OSError as exc:
-        raise CacheError(
-            f"cannot write the compile cache at {path}: {exc}; set YIRAGE_CACHE_DIR to a writable directory"
-        ) from exc
+    write_private(path, source)
 
 
 _LOCK = threading.Lock()  # numba compiles while the module executes: one import at a time
@@ -73,31 +56,54 @@ def backend_fingerprint() -> str:
     return digest.hexdigest()[:16]
 
 
+class CompileError(YirageError, RuntimeError):
+    """numba could not compile a rendered plan: a renderer bug or an unsupported input, not a cache problem."""
+
+
 def compile_plan(plan: KernelPlan, version: str) -> tuple[Callable[[Any], list[Any]], Path]:
     source = render_module(plan, f"{version}+{backend_fingerprint()}")
     key = hashlib.sha256(source.encode()).hexdigest()[:24]
-    path = cache_root() / "cpu" / key / "kernels.py"
+    root = private_root()
+    entry = private_dir(root / "cpu" / key)
+    path = entry / "kernels.py"
     with _LOCK:
         _write_if_changed(path, source)
-        return _load(f"yirage_cpu_plan_{key}", path), path
+        return guard(_load(f"yirage_cpu_plan_{key}", path)), path
+
+
+def numba_cache_dirs(path: Path) -> list[Path]:
+    """Where numba keeps the compiled code of ``path``'s functions: beside it, or below ``NUMBA_CACHE_DIR``."""
+    from numba.core import caching, config
+
+    dirs = [path.parent / "__pycache__"]
+    if config.CACHE_DIR:
+        dirs.append(Path(config.CACHE_DIR) / caching._CacheLocator.get_suitable_cache_subpath(str(path)))
+    return dirs
 
 
 def _load(name: str, path: Path) -> Callable[[Any], list[Any]]:
     module = sys.modules.get(name)
-    if module is None:
+    if module is not None:
+        return module.run
+    caches = numba_cache_dirs(path)
+    for directory in [path.parent, *caches]:
+        check_tree(directory)  # before numba unpickles anything from there
+    try:
+        module = _import(name, path)
+    except Exception as exc:  # noqa: BLE001 - numba's cache files may be stale or corrupted: rebuild once
+        logger.warning("loading %s failed (%s: %s); clearing its numba cache (%s) and compiling again",
+                       path, type(exc).__name__, exc, ", ".join(map(str, caches)))
+        for directory in caches:
+            shutil.rmtree(directory, ignore_errors=True)
         try:
             module = _import(name, path)
-        except Exception as exc:  # noqa: BLE001 - numba's cache files may be stale or corrupted: rebuild once
-            logger.warning("loading %s failed (%s: %s); clearing its numba cache and compiling again",
-                           path, type(exc).__name__, exc)
-            shutil.rmtree(path.parent / "__pycache__", ignore_errors=True)
-            try:
-                module = _import(name, path)
-            except Exception as again:  # noqa: BLE001 - reported with the path and the fix
-                raise CacheError(
-                    f"compiling the kernels in {path} failed ({type(again).__name__}: {again}); "
-                    f"delete {path.parent} and run again, and report the error if it persists"
-                ) from again
+        except Exception as again:  # noqa: BLE001 - reported with the path and what to do
+            raise CompileError(
+                f"numba could not compile the kernels rendered in {path} ({type(again).__name__}: {again}). "
+                "The cache was cleared and the plan rebuilt, so this is not a corrupted cache: it is a bug in "
+                "yirage's CPU renderer or an input it does not support; please report it with the graph "
+                "(g.to_json()) and this message"
+            ) from again
     return module.run
 
 

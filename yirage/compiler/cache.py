@@ -1,0 +1,128 @@
+"""Where compiled code is kept, and the rule that nobody else may write there.
+
+A compile cache holds code that yirage imports and runs (numba's cache
+index is a pickle), so a cache another user can write is a way to run code
+as you. Like ssh with ``~/.ssh`` and pip with its cache, yirage creates the
+cache root with mode 0700 and refuses a root, entry or file that is not
+owned by the current user or that group or others can write.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from pathlib import Path
+
+from yirage.errors import YirageError
+
+
+class CacheError(YirageError, RuntimeError):
+    """A compile-cache entry that cannot be written or loaded."""
+
+
+class CacheSecurityError(CacheError, PermissionError):
+    """A cache path another user could write: loading code from it is refused."""
+
+
+def cache_root() -> Path:
+    """``$YIRAGE_CACHE_DIR``, else ``$XDG_CACHE_HOME/yirage``, else ``~/.cache/yirage``."""
+    base = os.environ.get("YIRAGE_CACHE_DIR")
+    if base:
+        return Path(base).expanduser().absolute()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return ((Path(xdg) if xdg else Path.home() / ".cache") / "yirage").absolute()
+
+
+def _fix(path: Path) -> str:
+    return (f"run `chmod -R go-w {path}` (and chown it to yourself) if you trust its contents, or delete it; "
+            "or set YIRAGE_CACHE_DIR to a private directory")
+
+
+def check_private(path: Path, info: os.stat_result | None = None) -> None:
+    """Refuse ``path`` unless it is owned by the current user and not writable by group or others."""
+    if os.name != "posix":
+        return
+    st = info or os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise CacheSecurityError(f"compile-cache path {path} is a symbolic link; yirage loads compiled code from "
+                                 f"this cache and does not follow links there. {_fix(path)}")
+    if st.st_uid != os.geteuid():
+        raise CacheSecurityError(
+            f"compile-cache path {path} is owned by uid {st.st_uid}, not by you (uid {os.geteuid()}); yirage runs "
+            f"code from this cache, so it only trusts files you own. {_fix(path)}")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise CacheSecurityError(
+            f"compile-cache path {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):#o}); "
+            f"another user could make yirage run their code. {_fix(path)}")
+
+
+def check_tree(path: Path) -> None:
+    """``check_private`` on a directory and everything below it (a cache entry holds a handful of files)."""
+    if not path.exists():
+        return
+    check_private(path)
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            check_private(Path(dirpath) / name)
+
+
+_made: set[Path] = set()
+_lock = threading.Lock()
+
+
+def private_root(root: Path | None = None) -> Path:
+    """The cache root, created 0700 if missing and checked to be private (once per process and path)."""
+    root = cache_root() if root is None else root
+    with _lock:
+        if root in _made:
+            return root
+        try:
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CacheError(f"cannot create the compile cache at {root}: {exc}; "
+                             "set YIRAGE_CACHE_DIR to a writable directory") from exc
+        if not root.is_dir():
+            raise CacheError(f"the compile cache {root} is not a directory; set YIRAGE_CACHE_DIR to a directory")
+        check_private(root)
+        _check_parents(root)
+        _made.add(root)
+    return root
+
+
+def _check_parents(root: Path) -> None:
+    """A parent others may write without the sticky bit lets them swap the whole cache for their own."""
+    if os.name != "posix":
+        return
+    for parent in root.parents:
+        st = os.stat(parent)
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise CacheSecurityError(
+                f"the compile cache {root} lies in {parent}, which every user can write (mode "
+                f"{stat.S_IMODE(st.st_mode):#o}, no sticky bit), so another user could replace the cache; "
+                "set YIRAGE_CACHE_DIR to a directory inside one only you can write")
+
+
+def private_dir(path: Path) -> Path:
+    """A directory below the cache root, created 0700; an existing one must be private."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CacheError(f"cannot create the compile-cache directory {path}: {exc}; "
+                         "set YIRAGE_CACHE_DIR to a writable directory") from exc
+    check_private(path)
+    return path
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` atomically (temp file + rename), readable and writable by the owner only."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CacheError(f"cannot write the compile cache at {path}: {exc}; "
+                         "set YIRAGE_CACHE_DIR to a writable directory") from exc
