@@ -6,16 +6,31 @@ then hands the rest of the decode loop to a compiled PersistentKernel.
 
 from __future__ import annotations
 
+import math
+import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from yirage.models.llama import LlamaModel, ModelError
 
+SEED_LIMIT = 2**32  # sampling seeds mix with positions in int64 arithmetic on every runtime
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
+    """How to generate; every field is validated here, so a bad value fails before any work."""
+
     max_new_tokens: int = 32
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0
@@ -24,10 +39,23 @@ class GenerationConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"need temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got {self}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0: no top-k filter), got {self.top_k!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1] (1: no nucleus filter), got {self.top_p!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}; reduce it, e.g. seed % 2**32")
+        eos = self.eos_token_id
+        if eos is not None:
+            ids = (eos,) if _is_int(eos) else tuple(eos) if isinstance(eos, (tuple, list)) else None
+            if ids is None or not all(_is_int(e) and 0 <= e < 2**63 for e in ids):
+                raise ValueError(f"eos_token_id must be None (the model's), an int id >= 0, or a tuple of them "
+                                 f"(() never stops early); got {eos!r}")
+            object.__setattr__(self, "eos_token_id", eos if _is_int(eos) else ids)
 
 
 @dataclass
@@ -43,12 +71,19 @@ class GenerationResult:
 
 
 class InferEngine:
-    """A Llama-family model from a Hugging Face directory, decoding on a yirage backend."""
+    """A Llama-family model from a Hugging Face directory, decoding on a yirage backend.
+
+    Thread-safe: ``generate``, ``forward`` and ``reset_cache`` hold one lock
+    per engine (the KV caches and decoders are shared), so concurrent callers
+    get correct results, one generation at a time. Use one engine per thread
+    to decode in parallel.
+    """
 
     def __init__(self, model_path: str | Path, backend: Any = None, dtype: Any = None,
                  num_workers: int | None = None, num_local_schedulers: int | None = None) -> None:
         from yirage.backend.selection import current_backend, resolve
 
+        self._lock = threading.RLock()
         self.backend = current_backend() if backend is None else resolve(backend, "InferEngine(backend=...)")
         self.model = LlamaModel.from_pretrained(model_path, dtype)
         self.tokenizer = _local_tokenizer(model_path)
@@ -63,17 +98,19 @@ class InferEngine:
     def reset_cache(self, batch_size: int, max_len: int) -> None:
         import torch
 
-        if batch_size < 1 or max_len < 2:
-            raise ValueError(f"need batch_size >= 1 and max_len >= 2, got {batch_size}, {max_len}")
-        if self._tokens is not None and tuple(self._tokens.shape) == (batch_size, max_len):
-            return  # same shapes: keep the caches (positions are rewritten before they are read) and decoders
-        self.model.reset_cache(batch_size, max_len)
-        self._tokens = torch.zeros(batch_size, max_len, dtype=torch.int64)
-        self._step = torch.zeros(batch_size, dtype=torch.int64)
-        self._decoders.clear()
+        if not (_is_int(batch_size) and _is_int(max_len)) or batch_size < 1 or max_len < 2:
+            raise ValueError(f"need ints batch_size >= 1 and max_len >= 2, got {batch_size!r}, {max_len!r}")
+        with self._lock:
+            if self._tokens is not None and tuple(self._tokens.shape) == (batch_size, max_len):
+                return  # same shapes: keep the caches (positions are rewritten before they are read) and decoders
+            self._decoders.clear()  # they address the old caches: drop them first
+            self.model.reset_cache(batch_size, max_len)
+            self._tokens = torch.zeros(batch_size, max_len, dtype=torch.int64)
+            self._step = torch.zeros(batch_size, dtype=torch.int64)
 
     def forward(self, input_ids: Any, positions: Any) -> Any:
-        return self.model.forward(input_ids, positions)
+        with self._lock:
+            return self.model.forward(input_ids, positions)
 
     def _pick(self, logits: Any, config: GenerationConfig) -> Any:
         import torch
@@ -104,18 +141,58 @@ class InferEngine:
             raise ModelError("text prompts of different token lengths are not supported yet; batch equal lengths")
         return torch.tensor(rows, dtype=torch.int64)
 
+    def _prompt_ids(self, input_ids: Any) -> Any:
+        """A (batch, prompt_len) int64 CPU tensor from text, token-id lists or a tensor; refuses the rest."""
+        import torch
+
+        if isinstance(input_ids, str) or (isinstance(input_ids, (list, tuple)) and input_ids
+                                          and all(isinstance(p, str) for p in input_ids)):
+            input_ids = self.encode(list(input_ids) if isinstance(input_ids, tuple) else input_ids)
+        elif isinstance(input_ids, (list, tuple)):
+            rows = list(input_ids)
+            if rows and all(_is_int(t) for t in rows):
+                rows = [rows]  # one prompt of token ids
+            if (not rows or not all(isinstance(r, (list, tuple)) and all(_is_int(t) for t in r) for r in rows)
+                    or len({len(r) for r in rows}) != 1):
+                raise ModelError("a list prompt must be text (str or a list of str), token ids ([1, 2, 3]) or "
+                                 "equal-length rows of token ids ([[1, 2, 3], [4, 5, 6]])")
+            input_ids = torch.tensor(rows, dtype=torch.int64)
+        if not isinstance(input_ids, torch.Tensor):
+            raise ModelError(f"input_ids must be text, token-id lists or a (batch, prompt_len) int tensor, got "
+                             f"{type(input_ids).__name__}")
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+            hint = " (one prompt: input_ids.unsqueeze(0))" if input_ids.dim() == 1 else ""
+            raise ModelError(f"input_ids must be a (batch, prompt_len) int tensor, got {tuple(input_ids.shape)} "
+                             f"{input_ids.dtype}{hint}")
+        if input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+            raise ModelError(f"the prompt is empty (input_ids shape {tuple(input_ids.shape)}); pass at least one "
+                             "token per row, e.g. the tokenizer's BOS id")
+        if input_ids.device.type != "cpu":
+            raise ModelError(f"input_ids are on {input_ids.device}; the prompt is read on the CPU: pass "
+                             "input_ids.cpu()")
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab:
+            raise ModelError(f"input_ids must lie in [0, vocab_size={self.config.vocab}), got values in "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        return input_ids.to(torch.int64)
+
     def generate(self, input_ids: Any, config: GenerationConfig | None = None) -> GenerationResult:
+        """Generate for a prompt: text, token-id lists or a (batch, prompt_len) int tensor.
+
+        Calls on one engine are serialized (see the class docstring). Ctrl-C
+        stops a long decode within a step or so and raises KeyboardInterrupt;
+        the engine stays usable.
+        """
+        with self._lock:
+            return self._generate(input_ids, config)
+
+    def _generate(self, input_ids: Any, config: GenerationConfig | None) -> GenerationResult:
         import torch
 
         config = config or GenerationConfig()
-        if isinstance(input_ids, (str, list)):
-            input_ids = self.encode(input_ids)
-        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
-            raise ModelError(f"input_ids must be a (batch, prompt_len) int tensor, got {tuple(input_ids.shape)} "
-                             f"{input_ids.dtype}")
+        if not isinstance(config, GenerationConfig):
+            raise ModelError(f"config must be a GenerationConfig, got {type(config).__name__}")
+        input_ids = self._prompt_ids(input_ids)
         batch, prompt = input_ids.shape
-        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab:
-            raise ModelError(f"input_ids must lie in [0, {self.config.vocab})")
         eos = self.config.eos_token_id if config.eos_token_id is None else config.eos_token_id
         eos_ids = (eos,) if isinstance(eos, int) else tuple(eos)
         max_len = prompt + config.max_new_tokens + 1
@@ -123,11 +200,18 @@ class InferEngine:
         if window is not None and max_len > window:
             raise ModelError(f"prompt + new tokens ({max_len}) exceed the model's sliding window ({window}); "
                              "sliding-window attention is not supported yet")
+        limit = self.config.max_positions
+        if limit is not None and prompt + config.max_new_tokens > limit:
+            # the RoPE tables are built for every cache position, so nothing is read out of bounds; the model
+            # was only trained up to max_position_embeddings, though
+            warnings.warn(f"prompt ({prompt}) + max_new_tokens ({config.max_new_tokens}) exceeds the model's "
+                          f"max_position_embeddings ({limit}); positions past it were never trained, so the output "
+                          "usually degrades. Shorten the prompt or lower max_new_tokens", stacklevel=3)
         self.reset_cache(batch, max_len)
         self._tokens.zero_()
         start = time.perf_counter()
         positions = torch.arange(prompt).expand(batch, prompt)
-        logits = self.forward(input_ids.to(torch.int64), positions)[:, -1]
+        logits = self.forward(input_ids, positions)[:, -1]
         first = self._pick(logits, config)
         ttft = time.perf_counter() - start
         self._tokens[:, :prompt] = input_ids

@@ -39,14 +39,18 @@ class LlamaConfig:
     qkv_bias: bool
     eos_token_id: tuple[int, ...]
     sliding_window: int | None = None  # attention span limit; longer sequences are refused
+    max_positions: int | None = None  # max_position_embeddings: what the model was trained for (a warning limit)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        if not isinstance(cfg, dict):
+            raise ModelError(f"config.json must hold a JSON object (a dict of settings), got a "
+                             f"{type(cfg).__name__}; use the config.json that save_pretrained writes")
         kind = cfg.get("model_type")
         if kind not in SUPPORTED:
             raise ModelError(f"model_type {kind!r} is not supported; yirage loads {', '.join(SUPPORTED)}")
-        rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5 keeps RoPE settings here
-        scaling = cfg.get("rope_scaling") or rope
+        rope = dict(_typed(cfg, "rope_parameters", dict, {}) or {})  # transformers >= 5 keeps RoPE settings here
+        scaling = _typed(cfg, "rope_scaling", dict, None) or rope
         if scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
             raise ModelError(f"RoPE scaling {scaling} is not supported yet; only plain RoPE (rope_theta)")
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -55,29 +59,88 @@ class LlamaConfig:
         if cfg.get("attention_bias") and kind != "qwen2":
             raise ModelError("attention_bias=True (q/k/v and o_proj biases) is not supported yet for "
                              f"{kind}; Qwen2's q/k/v biases are")
-        heads = cfg["num_attention_heads"]
+        hidden, heads = _count(cfg, "hidden_size"), _count(cfg, "num_attention_heads")
+        kv_heads = _count(cfg, "num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise ModelError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}: "
+                             "each kv head must serve a whole group of query heads; fix config.json")
+        if cfg.get("head_dim") is None and hidden % heads:
+            raise ModelError(f"hidden_size={hidden} does not split into num_attention_heads={heads} heads; fix "
+                             "config.json (or give head_dim explicitly)")
+        head_dim = _count(cfg, "head_dim", hidden // heads)
+        if head_dim % 2:
+            raise ModelError(f"head_dim={head_dim} is odd; RoPE rotates pairs of dims, so it must be even")
         eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        if any(isinstance(e, bool) or not isinstance(e, int) or e < 0 for e in eos_ids):
+            raise ModelError(f"eos_token_id must be an int id >= 0 or a list of them, got {eos!r}; fix config.json")
+        try:
+            theta, eps = float(theta), float(cfg.get("rms_norm_eps", 1e-6))
+        except (TypeError, ValueError):
+            raise ModelError(f"rope_theta={theta!r} and rms_norm_eps={cfg.get('rms_norm_eps')!r} must be numbers; "
+                             "fix config.json") from None
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", kind == "mistral") else None
         return cls(
             model_type=kind,
-            hidden=cfg["hidden_size"],
-            intermediate=cfg["intermediate_size"],
-            layers=cfg["num_hidden_layers"],
+            hidden=hidden,
+            intermediate=_count(cfg, "intermediate_size"),
+            layers=_count(cfg, "num_hidden_layers"),
             heads=heads,
-            kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            vocab=cfg["vocab_size"],
-            rope_theta=float(theta),
-            eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            vocab=_count(cfg, "vocab_size"),
+            rope_theta=theta,
+            eps=eps,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=kind == "qwen2",
-            eos_token_id=tuple([] if eos is None else [eos] if isinstance(eos, int) else eos),
-            sliding_window=(cfg.get("sliding_window") if cfg.get("use_sliding_window", kind == "mistral")
-                            else None),
+            eos_token_id=tuple(eos_ids),
+            sliding_window=None if window is None else _count(cfg, "sliding_window"),
+            max_positions=_count(cfg, "max_position_embeddings", 0) or None,
         )
 
     @property
     def group(self) -> int:
         return self.heads // self.kv_heads
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape every checkpoint tensor must have (names without the ``model.`` prefix)."""
+        h, ff = self.hidden, self.intermediate
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (self.vocab, h), "norm.weight": (h,),
+                                              "lm_head.weight": (self.vocab, h)}
+        for i in range(self.layers):
+            p = f"layers.{i}."
+            shapes.update({
+                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
+                p + "mlp.down_proj.weight": (h, ff),
+            })
+            if self.qkv_bias:
+                shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                               p + "self_attn.v_proj.bias": (kv,)})
+        return shapes
+
+
+def _count(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A positive int setting of config.json (``default`` when absent or null)."""
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            raise ModelError(f"config.json has no {key!r}; it is required for a Llama-family model")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        hint = " (a model needs at least one decoder layer)" if key == "num_hidden_layers" else ""
+        raise ModelError(f"config.json: {key}={value!r} must be a positive int{hint}; fix config.json")
+    return value
+
+
+def _typed(cfg: dict[str, Any], key: str, kind: type, default: Any) -> Any:
+    value = cfg.get(key, default)
+    if value is not None and not isinstance(value, kind):
+        raise ModelError(f"config.json: {key} must be a {kind.__name__} or null, got {value!r}")
+    return value
 
 
 def load_config(model_dir: str | Path) -> LlamaConfig:
@@ -86,8 +149,9 @@ def load_config(model_dir: str | Path) -> LlamaConfig:
         return LlamaConfig.from_dict(json.loads(path.read_text()))
     except FileNotFoundError:
         raise ModelError(f"{path} does not exist: point model_path at a Hugging Face model directory") from None
-    except (json.JSONDecodeError, KeyError) as exc:
-        raise ModelError(f"{path} is not a usable model config ({type(exc).__name__}: {exc})") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelError(f"{path} is not valid JSON ({type(exc).__name__}: {exc}); re-save the model's config") \
+            from exc
 
 
 def load_weights(model_dir: str | Path) -> dict[str, Any]:
@@ -113,6 +177,22 @@ def rope_tables(config: LlamaConfig, positions: int) -> tuple[Any, Any]:
     return emb.cos().contiguous(), emb.sin().contiguous()
 
 
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_dtype(dtype: Any) -> Any:
+    """None (keep the checkpoint's), a torch float dtype, or its name ("float16", "torch.bfloat16")."""
+    import torch
+
+    if dtype is None:
+        return None
+    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if not isinstance(dtype, (str, torch.dtype)) or name not in WEIGHT_DTYPES:
+        raise ModelError(f"dtype={dtype!r} is not supported; pass None (the checkpoint's dtype) or one of "
+                         f"{', '.join(WEIGHT_DTYPES)} (a torch.dtype or its name)")
+    return getattr(torch, name)
+
+
 def divisor_near(n: int, target: int) -> int:
     """The divisor of ``n`` closest to ``target`` (task counts must split columns evenly)."""
     divisors = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
@@ -128,20 +208,25 @@ class LlamaModel:
 
         self.config = config
         c = config
+        dtype = resolve_dtype(dtype)
         w = {k.removeprefix("model."): v for k, v in weights.items()}
         cast = (lambda t: t.to(dtype).contiguous()) if dtype is not None else (lambda t: t.contiguous())
+        shapes = c.weight_shapes()
 
         def get(name: str) -> Any:
             try:
-                return w[name]
+                t = w[name]
             except KeyError:
                 raise ModelError(f"weight {name!r} is missing from the checkpoint") from None
+            if tuple(t.shape) != shapes[name]:  # a mismatch would index past a table in the compiled decoder
+                raise ModelError(f"weight {name!r} has shape {tuple(t.shape)}, but config.json implies "
+                                 f"{shapes[name]}; the checkpoint and config.json disagree: fix or re-export them")
+            return t
 
         self.embed = cast(get("embed_tokens.weight"))
         self.norm = cast(get("norm.weight"))
-        lm = w.get("lm_head.weight")
-        self.lm_head = self.embed if (lm is None and c.tie_embeddings) else cast(lm if lm is not None else
-                                                                                 get("lm_head.weight"))
+        tied = "lm_head.weight" not in w and c.tie_embeddings
+        self.lm_head = self.embed if tied else cast(get("lm_head.weight"))
         order = self._qkv_order()
         self.blocks = []
         for i in range(c.layers):
@@ -179,6 +264,7 @@ class LlamaModel:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: Any = None) -> LlamaModel:
+        dtype = resolve_dtype(dtype)  # before reading gigabytes of weights
         return cls(load_config(model_dir), load_weights(model_dir), dtype)
 
     def reset_cache(self, batch_size: int, max_len: int) -> None:

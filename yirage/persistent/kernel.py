@@ -14,10 +14,13 @@ its key/value go to cache position ``step[b]``, attention covers positions
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
+from yirage.backend.base import checked_device_info
 from yirage.errors import NotSupportedError
+from yirage.persistent.guard import Snapshot, check_disjoint, check_tensor
 from yirage.persistent.layers import Layer, LayerError, PKTensor, require, split_ok
 from yirage.persistent.task_graph import TaskGraph, build_task_graph
 
@@ -32,7 +35,11 @@ def _grid(grid_dim: Any) -> int:
 
 
 class PersistentKernel:
-    """See the module docstring; the constructor matches Mirage's ``mi.PersistentKernel``."""
+    """See the module docstring; the constructor matches Mirage's ``mi.PersistentKernel``.
+
+    Thread-safe: ``compile()`` and calls hold a per-kernel lock, so concurrent
+    callers are serialized (they share the meta tensors and caches anyway).
+    """
 
     def __init__(
         self,
@@ -72,6 +79,12 @@ class PersistentKernel:
             raise LayerError(f"step must be an int tensor of shape ({tokens.shape[0]},), got {tuple(step.shape)}")
         if tokens.shape[1] < max_seq_length:
             raise LayerError(f"tokens has {tokens.shape[1]} columns, fewer than max_seq_length={max_seq_length}")
+        self._device_type = torch.device(self.backend.torch_device).type
+        for what, t in (("meta_tensors[0] (step)", step), ("meta_tensors[1] (tokens)", tokens)):
+            check_tensor(t, what, self._device_type, written=True)
+        check_disjoint([("step", step, True), ("tokens", tokens, True)])
+        self._lock = threading.RLock()
+        self._snapshot: Snapshot | None = None
         self.batch = int(tokens.shape[0])
         self.max_seq_length = int(max_seq_length)
         eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -105,11 +118,7 @@ class PersistentKernel:
 
         if not isinstance(torch_tensor, torch.Tensor):
             raise LayerError(f"attach_input({name!r}): expected a torch.Tensor, got {type(torch_tensor).__name__}")
-        if torch_tensor.device.type != "cpu" and self.backend.torch_device == "cpu":
-            raise LayerError(f"attach_input({name!r}): the tensor is on {torch_tensor.device}; "
-                             f"backend {self.backend.name!r} reads CPU tensors")
-        if not torch_tensor.is_contiguous():
-            raise LayerError(f"attach_input({name!r}): pass a contiguous tensor (call .contiguous())")
+        check_tensor(torch_tensor, f"attach_input({name!r}) on backend {self.backend.name!r}", self._device_type)
         dtype = str(torch_tensor.dtype).removeprefix("torch.")
         return self._register(name, tuple(torch_tensor.shape), dtype, True, torch_tensor)
 
@@ -150,7 +159,7 @@ class PersistentKernel:
             raise LayerError(f"{layer}: {output.name!r} is already written by another layer; use a new tensor")
         self.layers.append(Layer(kind, len(self.layers), inputs, output, tasks, params))
         self._written.add(output.name)
-        self.task_graph = None
+        self.task_graph = self.runtime = self._snapshot = None  # a changed graph must be compiled again
 
     def _dims(self, layer: str, role: str, t: PKTensor, dims: tuple[int, ...], floats: bool = True) -> None:
         require(t.dims == dims, layer, f"{role} {t.name!r} has dims {t.dims}, expected {dims}")
@@ -264,6 +273,8 @@ class PersistentKernel:
         require(temperature > 0, "sampling_layer", f"temperature={temperature} must be > 0 (use argmax_layer for 0)")
         require(top_k >= 0 and 0 < top_p <= 1, "sampling_layer", f"need top_k >= 0 and 0 < top_p <= 1, got "
                                                                  f"top_k={top_k}, top_p={top_p}")
+        require(isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32, "sampling_layer",
+                f"seed must be an int in [0, 2**32) (it is mixed with positions in int64), got {seed!r}")
         self._picker("sample", input, output, {"temperature": float(temperature), "top_k": int(top_k),
                                                "top_p": float(top_p), "seed": int(seed)})
 
@@ -277,16 +288,46 @@ class PersistentKernel:
 
     # -- compile and run ---------------------------------------------------------------
     def compile(self) -> PersistentKernel:
-        if not self.layers or self.layers[-1].kind not in ("argmax", "sample"):
-            raise LayerError("the last layer must be argmax_layer or sampling_layer: it picks the next token")
-        self.task_graph = build_task_graph(self.layers)
-        self.runtime = self.backend.persistent_runtime(self, self._config())
+        with self._lock:
+            if not self.layers or self.layers[-1].kind not in ("argmax", "sample"):
+                raise LayerError("the last layer must be argmax_layer or sampling_layer: it picks the next token")
+            self._check_token_range()
+            self._check_memory()
+            self.task_graph = build_task_graph(self.layers)
+            self.runtime = self.backend.persistent_runtime(self, self._config())
+            self._snapshot = Snapshot([*self.torch_tensors.items(), ("step", self.step)])
         return self
+
+    def _check_token_range(self) -> None:
+        """The picker's ids feed the next step's embed lookup: every id it can emit must be a row there."""
+        picker = self.layers[-1]
+        width = picker.inputs["input"].dims[1]
+        for layer in (lay for lay in self.layers if lay.kind == "embed"):
+            rows = layer.inputs["weight"].dims[0]
+            if width > rows:
+                raise LayerError(
+                    f"{picker.kind}_layer picks token ids in [0, {width}) (its input {picker.inputs['input'].name!r} "
+                    f"has {width} columns), but embed_layer's weight {layer.inputs['weight'].name!r} has only {rows} "
+                    "rows: the next step would read past the table. Make the logits as wide as the embed table "
+                    "(lm_head rows = embed rows = vocab_size)")
+
+    def _check_memory(self) -> None:
+        """Tensors that decoding writes (meta tensors, KV caches) must not alias anything else handed over."""
+        written = {"tokens"} | {layer.inputs[r].name for layer in self.layers if layer.kind == "attention"
+                                for r in ("k_cache", "v_cache")}
+        for name in written - {"tokens"}:
+            check_tensor(self.torch_tensors[name], f"KV cache {name!r}", self._device_type, written=True)
+        seen: dict[int, str] = {}
+        items = [("step", self.step, True)]
+        for name, t in self.torch_tensors.items():
+            if seen.setdefault(id(t), name) == name:  # one tensor attached under two names is read-only sharing
+                items.append((name, t, name in written))
+        check_disjoint(items)
 
     def _config(self) -> dict[str, int]:
         config = {}
         try:
-            config = dict(self.backend.default_config(self.backend.device_info(0)))
+            config = dict(self.backend.default_config(checked_device_info(self.backend, 0)))
         except NotSupportedError:
             config = {"num_workers": 1, "num_local_schedulers": 1}
         if self.num_workers is not None:
@@ -309,11 +350,21 @@ class PersistentKernel:
                 raise LayerError(f"tokens[{b}, {pos}] = {tok} is not a token id in [0, {vocab})")
 
     def __call__(self, max_new_tokens: int | None = None) -> int:
-        """Decode until EOS or max_seq_length (or ``max_new_tokens`` steps); returns steps run."""
-        if self.runtime is None:
-            self.compile()
-        self.check_meta()
-        return int(self.runtime.run(max_new_tokens))
+        """Decode until EOS or max_seq_length (or ``max_new_tokens`` steps); returns steps run.
+
+        Every tensor handed to compiled code is re-checked first (address,
+        shape, strides, dtype, storage size). Concurrent calls are serialized.
+        """
+        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                                           or max_new_tokens < 0):
+            raise LayerError(f"max_new_tokens must be an int >= 0 or None, got {max_new_tokens!r}")
+        with self._lock:
+            if self.runtime is None:
+                self.compile()
+            assert self._snapshot is not None
+            self._snapshot.verify()
+            self.check_meta()
+            return int(self.runtime.run(max_new_tokens))
 
     def __str__(self) -> str:
         graph = self.task_graph.summary() if self.task_graph else "(not compiled)"

@@ -8,11 +8,20 @@ claim event slots and push the tasks the event releases. A scheduler runs
 tasks only while no worker is running (and a worker handles events only
 while no scheduler is), which keeps any thread count deadlock-free. Between
 steps, one serial section appends the picked token and advances ``step``.
+
+``flags`` (int64[4]) lets the run stop early: ``flags[STOP]`` is checked by
+every thread between tasks and by the loop between steps (Ctrl-C sets it
+from Python; a task that finds bad input sets it too, with an error code in
+``flags[ERROR]`` that ``run()`` turns into an exception). A stopped step is
+not committed: ``tokens``/``step`` hold exactly the steps completed.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import queue
+import threading
 import time
 from typing import Any
 
@@ -20,6 +29,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from yirage.persistent.guard import Snapshot
 from yirage_backend_cpu.atomics import atomic_add, atomic_load, atomic_store, cycle_counter
 from yirage_backend_cpu.kernel_lib import fexp
 from yirage_backend_cpu.pk_tasks import (
@@ -36,16 +46,19 @@ from yirage_backend_cpu.pk_tasks import (
     load,
     sample_row,
 )
+from yirage_backend_cpu.threads import check_fork, serialized
 
 EMBED, RMSLIN, ATTN, LINRES, SILURES, ARGMAX, SAMPLE = range(7)
 KINDS = {"embed": EMBED, "rmsnorm_linear": RMSLIN, "attention": ATTN, "linear_with_residual": LINRES,
          "silu_mul_linear_with_residual": SILURES, "argmax": ARGMAX, "sample": SAMPLE}
 DTYPES = {"float32": F32, "bfloat16": BF16, "float16": F16, "int64": I64}
+STOP, ERROR, ERR_VALUE, ERR_ROW = range(4)  # flags slots
+ERR_TOKEN = 1  # flags[ERROR]: a token id outside the embed table
 
 
 @njit(**OPTS)
 def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scratch, step, tokens, tok_cols,
-            none, steps_run):  # type: ignore[no-untyped-def]
+            none, flags):  # type: ignore[no-untyped-def]
     layer = task_layer[task]
     t = task_index[task]
     kind = lp[layer, 0]
@@ -69,8 +82,15 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
     n0 = t * cols
     if kind == EMBED:
         wid = lp[layer, 3]
+        rows = tnum[wid] // n
         for b in range(batch):
             tok = tokens[b * tok_cols + step[b]]
+            if tok < 0 or tok >= rows:  # never read outside the table: stop the run with an error instead
+                flags[ERR_VALUE] = tok
+                flags[ERR_ROW] = b
+                flags[ERROR] = ERR_TOKEN
+                atomic_store(flags, STOP, 1)
+                continue
             if tdt[wid] == F32:
                 src = f32s(addr[wid], tnum[wid])
                 for i in range(cols):
@@ -145,13 +165,15 @@ def release(e, ctl, pending, gate_ptr, gate_list, task_q):  # type: ignore[no-un
 @njit(**OPTS)
 def run_role(w, is_sched, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, ev_list, gate_ptr, gate_list,
              addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scratch, step, tokens, tok_cols, none,
-             steps_run, profile, profiling):  # type: ignore[no-untyped-def]
+             flags, profile, profiling):  # type: ignore[no-untyped-def]
     n_tasks = task_q.shape[0]
     n_events = trigger.shape[0]
     atomic_add(ctl, 4 + is_sched, 1)
     mine_t = -1
     mine_e = -1
     while True:
+        if atomic_load(flags, STOP) != 0:
+            break  # the step is abandoned; decode() does not commit it
         if mine_t < 0 and (is_sched == 0 or atomic_load(ctl, 4) == 0) and atomic_load(ctl, 0) < n_tasks:
             slot = atomic_add(ctl, 0, 1)
             if slot < n_tasks:
@@ -161,7 +183,7 @@ def run_role(w, is_sched, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, e
             if task >= 0:
                 start = cycle_counter()
                 execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scratch, step, tokens,
-                        tok_cols, none, steps_run)
+                        tok_cols, none, flags)
                 if profiling:
                     profile[3 * task] = start
                     profile[3 * task + 1] = cycle_counter()
@@ -185,7 +207,7 @@ def run_role(w, is_sched, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, e
 @njit(parallel=True, fastmath=OPTS["fastmath"], error_model="numpy", nogil=True, cache=True)
 def decode(addr, tdt, tnum, lp, lf, task_layer, task_index, ev_ptr, ev_list, waits, trigger, gate_ptr, gate_list,
            n_workers, n_sched, max_steps, eos, max_seq, batch, tokens_id, tok_cols, step_id, pick_id,
-           scratch, scr, profile, steps_run):  # type: ignore[no-untyped-def]
+           scratch, scr, profile, steps_run, flags):  # type: ignore[no-untyped-def]
     n_tasks = task_layer.shape[0]
     n_events = trigger.shape[0]
     task_q = np.empty(n_tasks, np.int64)
@@ -199,7 +221,7 @@ def decode(addr, tdt, tnum, lp, lf, task_layer, task_index, ev_ptr, ev_list, wai
     none = np.empty(0, np.float32)
     active = np.zeros(batch, np.bool_)
     steps = 0
-    while steps < max_steps:
+    while steps < max_steps and atomic_load(flags, STOP) == 0:
         alive = 0
         for b in range(batch):
             ok = step[b] + 1 < max_seq
@@ -225,7 +247,9 @@ def decode(addr, tdt, tnum, lp, lf, task_layer, task_index, ev_ptr, ev_list, wai
         for w in prange(total):
             run_role(w, 1 if w >= n_workers else 0, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, ev_list,
                      gate_ptr, gate_list, addr, tdt, tnum, lp, lf, task_layer, task_index, batch,
-                     scratch[w * scr:(w + 1) * scr], step, tokens, tok_cols, none, steps_run[0], profile, profiling)
+                     scratch[w * scr:(w + 1) * scr], step, tokens, tok_cols, none, flags, profile, profiling)
+        if atomic_load(flags, STOP) != 0:
+            break
         for b in range(batch):
             if active[b]:
                 tokens[b * tok_cols + step[b] + 1] = picked[b]
@@ -253,7 +277,8 @@ class CPUPersistentRuntime:
         graph = pk.task_graph
         self.pk, self.config = pk, config
         if pk.tokens.dtype != torch.int64 or pk.step.dtype != torch.int64:
-            raise NotSupportedError("the CPU PersistentKernel runtime needs int64 step and tokens tensors")
+            raise NotSupportedError("the CPU PersistentKernel runtime needs int64 step and tokens tensors; "
+                                    "create them with dtype=torch.int64")
         self.keep: list[Any] = []
         names = list(pk.tensors)
         addr, tdt, tnum = [], [], []
@@ -315,7 +340,10 @@ class CPUPersistentRuntime:
         self.scratch = np.zeros(max(1, self.workers + self.schedulers) * scratch, np.float32)
         self.ids = (index["tokens"], pk.tokens.shape[1], self._step_id(index), index[pk.layers[-1].output.name])
         self.steps_run = np.zeros(1, np.int64)
+        self.flags = np.zeros(4, np.int64)  # STOP, ERROR, ERR_VALUE, ERR_ROW (see the module docstring)
         self.last_profile: np.ndarray | None = None
+        # every address in the table, re-checked before each run (the kernel checks the user's tensors too)
+        self.snapshot = Snapshot([*zip([*names, "step"], self.keep, strict=True)])
 
     def _step_id(self, index: dict[str, int]) -> int:
         """The step meta tensor is not a named PK tensor: give the kernel its address."""
@@ -340,25 +368,40 @@ class CPUPersistentRuntime:
         return threads, threads - schedulers, schedulers
 
     def run(self, max_new_tokens: int | None = None) -> int:
+        """Decode (see PersistentKernel.__call__); the caller serializes calls (the kernel's lock).
+
+        From the main thread, ``decode`` runs in a helper thread (it holds no
+        GIL) while this thread waits in short slices, so Ctrl-C stops the run
+        between tasks and raises KeyboardInterrupt here within milliseconds.
+        """
         pk = self.pk
+        self.snapshot.verify()
         profile = np.zeros(0, np.int64)
         if pk.profiler_tensor is not None:
             profile = np.zeros(3 * pk.task_graph.num_tasks, np.int64)
         threads, workers, schedulers = self.effective()
-        previous = numba.get_num_threads()
-        numba.set_num_threads(threads)
-        try:
-            tokens_id, tok_cols, step_id, pick_id = self.ids
-            limit = pk.max_seq_length if max_new_tokens is None else int(max_new_tokens)
+        tokens_id, tok_cols, step_id, pick_id = self.ids
+        limit = pk.max_seq_length if max_new_tokens is None else int(max_new_tokens)
+        self.flags[:] = 0
+        args = (self.addr, self.tdt, self.tnum, self.lp, self.lf, *self.graph_arrays, workers, schedulers, limit,
+                np.array(pk.eos_token_ids or [-1], np.int64), pk.max_seq_length, pk.batch, tokens_id, tok_cols,
+                step_id, pick_id, self.scratch, self.scr, profile, self.steps_run, self.flags)
+        check_fork()
+        with serialized():  # one launch at a time only on a threading layer that needs it
             wall = time.perf_counter_ns()
             cycles = _cycles()
-            steps = decode(self.addr, self.tdt, self.tnum, self.lp, self.lf, *self.graph_arrays, workers,
-                           schedulers, limit, np.array(pk.eos_token_ids or [-1], np.int64), pk.max_seq_length,
-                           pk.batch, tokens_id, tok_cols, step_id, pick_id, self.scratch, self.scr, profile,
-                           self.steps_run)
-            ns_per_cycle = (time.perf_counter_ns() - wall) / max(1, _cycles() - cycles)
-        finally:
-            numba.set_num_threads(previous)
+            if threading.current_thread() is threading.main_thread():
+                steps = _decode_interruptibly(threads, args, self.flags)
+            else:  # signals reach only the main thread: nothing to watch for here
+                steps = _decode_with_threads(threads, args)
+        ns_per_cycle = (time.perf_counter_ns() - wall) / max(1, _cycles() - cycles)
+        if self.flags[ERROR] == ERR_TOKEN:
+            from yirage.persistent.layers import LayerError
+
+            row, tok = int(self.flags[ERR_ROW]), int(self.flags[ERR_VALUE])
+            raise LayerError(f"tokens[{row}, step[{row}]] = {tok} is not a row of the embed table; decoding stopped "
+                             "before reading it (tokens/step hold the steps completed). Keep token ids within the "
+                             "embed table (the picker's logits must not be wider than it)")
         if profile.shape[0]:
             starts = profile[0::3]
             origin = int(starts[starts > 0].min()) if (starts > 0).any() else 0
@@ -369,6 +412,82 @@ class CPUPersistentRuntime:
                 out[3 * task + 1] = int((profile[3 * task + 1] - origin) * ns_per_cycle)
                 out[3 * task + 2] = int(profile[3 * task + 2])
         return int(steps)
+
+
+def _decode_with_threads(threads: int, args: tuple[Any, ...]) -> int:
+    """``decode`` on ``threads`` numba threads (numba's thread count is per calling thread)."""
+    previous = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        return int(decode(*args))
+    finally:
+        numba.set_num_threads(previous)
+
+
+class _Job:
+    def __init__(self, threads: int, args: tuple[Any, ...]) -> None:
+        self.threads, self.args = threads, args
+        self.done = threading.Event()
+        self.steps = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.steps = _decode_with_threads(self.threads, self.args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, which re-raises it
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def wait(self) -> None:
+        """Wait until the job ends, even through further Ctrl-C presses: its memory must outlive it."""
+        while not self.done.is_set():
+            try:
+                self.done.wait(0.05)
+            except KeyboardInterrupt:
+                continue  # already stopping; the first KeyboardInterrupt is re-raised by the caller
+
+
+class _Helper:
+    """One long-lived thread that runs ``decode`` for the main thread (a new one per call costs ~0.25 ms).
+
+    Re-created in a forked child (threads do not survive fork). Only the
+    main thread submits, and it waits for each job, so one thread suffices.
+    """
+
+    def __init__(self) -> None:
+        self.pid = -1
+        self.jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+
+    def submit(self, job: _Job) -> None:
+        if self.pid != os.getpid():
+            self.pid, self.jobs = os.getpid(), queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(self.jobs,), name="yirage-pk-decode", daemon=True).start()
+        self.jobs.put(job)
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue[_Job]) -> None:
+        while True:
+            jobs.get().run()
+
+
+_HELPER = _Helper()
+
+
+def _decode_interruptibly(threads: int, args: tuple[Any, ...], flags: np.ndarray) -> int:
+    """``decode`` in the helper thread; on KeyboardInterrupt set ``flags[STOP]``, wait for it, re-raise."""
+    job = _Job(threads, args)
+    _HELPER.submit(job)
+    try:
+        while not job.done.wait(0.05):
+            pass
+    except KeyboardInterrupt:
+        flags[STOP] = 1  # every decode thread checks it between tasks, so the wait below is short
+        job.wait()
+        raise
+    if job.error is not None:
+        raise job.error
+    return job.steps
 
 
 @njit(cache=True)
