@@ -193,12 +193,17 @@ def test_compiling_one_graph_from_many_threads_is_safe(tmp_path, monkeypatch) ->
     assert not errors, errors
 
 
-def test_requires_grad_inputs_run_without_autograd() -> None:
+def test_requires_grad_inputs_run_without_autograd_and_say_so_once(monkeypatch) -> None:
+    from yirage.runtime import executable
+
+    monkeypatch.setattr(executable, "_grad_warned", False)
     g = yr.new_kernel_graph()
     g.mark_output(g.relu(g.new_input((3,))))
     x = torch.tensor([-1.0, 2.0, -3.0], requires_grad=True)
-    (out,) = g(inputs=[x], backend="cpu")
-    assert torch.equal(out, torch.tensor([0.0, 2.0, 0.0]))
+    with pytest.warns(UserWarning, match="do not propagate autograd") as caught:
+        (out,) = g(inputs=[x], backend="cpu")
+    assert caught[0].filename == __file__  # points at the caller, not at yirage's internals
+    assert torch.equal(out, torch.tensor([0.0, 2.0, 0.0])) and not out.requires_grad
 
 
 def test_graph_backend_defaults_to_the_process_default(isolated_selection) -> None:

@@ -6,6 +6,8 @@ backend library; backends are discovered and probed on first use.
 
 from __future__ import annotations
 
+from typing import Any
+
 from yirage.backend.base import PLUGIN_API_VERSION, Availability, Backend, DeviceInfo, MemoryInfo
 from yirage.backend.hookspecs import hookimpl
 from yirage.backend.selection import (
@@ -79,3 +81,12 @@ __all__ = [
 ]
 
 _configure_logging()
+
+
+def __getattr__(name: str) -> Any:
+    """Only reached for missing names: Mirage APIs yirage lacks say what to use instead."""
+    if name.startswith("_"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from yirage.graph.compat import module_attribute_error
+
+    raise module_attribute_error(__name__, name, __all__)

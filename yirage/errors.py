@@ -29,3 +29,10 @@ class PluginError(YirageError):
 
 class PluginAPIVersionError(PluginError):
     """A plugin written for a plugin-API version this yirage does not speak."""
+
+
+class UnsupportedAPIError(NotSupportedError, AttributeError):
+    """A Mirage API that yirage does not provide (yet); the message says what to use instead.
+
+    It is an AttributeError too, so ``hasattr`` and ``getattr(obj, name, default)`` keep working.
+    """

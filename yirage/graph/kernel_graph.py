@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from yirage.graph.dtypes import DType, as_dtype, float32
-from yirage.graph.ops import OPS, GraphError, Operand, check_dims
-
-FORMAT_VERSION = 1
-_ATTRS = {"reduction": ("dim",), "softmax": ("dim",), "clamp": ("min_val", "max_val"),
-          "rms_norm": ("eps", "normalized_shape"), "attention": ("scale",)}
+from yirage.graph.ops import OPS, GraphError, Operand, as_number, check_dims, check_numel
+from yirage.graph.serialize import FORMAT_VERSION, check_document, check_node, read_source
 
 
 @dataclass(frozen=True)
@@ -53,6 +51,9 @@ def contiguous_strides(dims: Sequence[int]) -> tuple[int, ...]:
 def check_dense_strides(dims: tuple[int, ...], strides: Any) -> tuple[int, ...]:
     """Strides must describe a dense layout: a permutation of contiguous dims."""
     try:
+        if isinstance(strides, (str, bytes)) or any(isinstance(s, bool) or not hasattr(s, "__index__")
+                                                    for s in strides):
+            raise TypeError
         out = tuple(int(s) for s in strides)
     except TypeError:
         raise GraphError(f"strides must be a sequence of ints, got {strides!r}") from None
@@ -141,6 +142,8 @@ class KernelGraph:
         """A graph input; ``strides`` declares a dense non-contiguous layout (e.g. a transposed weight)."""
         dims_t = check_dims(dims)
         dtype = as_dtype(dtype)
+        if not isinstance(name, str):
+            raise GraphError(f"new_input: name must be a str, got {type(name).__name__} {name!r}")
         strides_t = check_dense_strides(dims_t, strides) if strides is not None else contiguous_strides(dims_t)
         return self._append("input", (), {}, dims_t, dtype, strides_t, name)
 
@@ -171,21 +174,20 @@ class KernelGraph:
     def rotary(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor: return self._op("rotary", x, cos, sin)
 
     def clamp(self, t: Tensor, min_val: float | None = None, max_val: float | None = None) -> Tensor:
-        lo = None if min_val is None else float(min_val)
-        hi = None if max_val is None else float(max_val)
+        lo, hi = as_number("clamp", "min_val", min_val), as_number("clamp", "max_val", max_val)
         return self._op("clamp", t, min_val=lo, max_val=hi)
 
     def rms_norm(self, t: Tensor, normalized_shape: Sequence[int], eps: float = 1e-6) -> Tensor:
         """x / sqrt(mean(x^2) + eps) over the last dim (no weight: multiply by one with ``mul``)."""
         return self._op("rms_norm", t, normalized_shape=list(check_dims(normalized_shape, "normalized_shape")),
-                        eps=float(eps))
+                        eps=as_number("rms_norm", "eps", eps))
 
     def attention(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor | None = None, scale: float | None = None
     ) -> Tensor:
         """Decode attention of one query per head over a KV cache (GQA when H_kv < H)."""
         operands = (q, k_cache, v_cache) if lengths is None else (q, k_cache, v_cache, lengths)
-        return self._op("attention", *operands, scale=None if scale is None else float(scale))
+        return self._op("attention", *operands, scale=as_number("attention", "scale", scale))
 
     def _own(self, t: Any, op: str) -> None:
         if not isinstance(t, Tensor):
@@ -204,6 +206,7 @@ class KernelGraph:
                 dtype: DType, strides: tuple[int, ...] | None, name: str) -> Tensor:
         if name and any(n.name == name for n in self.nodes):
             raise GraphError(f"a tensor named {name!r} already exists in this graph")
+        check_numel(dims, f"{op} {name or f't{len(self.nodes)}'}")
         attrs = dict(sorted(attrs.items()))  # canonical: printing and JSON agree after a round trip
         self.nodes.append(Node(len(self.nodes), op, inputs, attrs, dims, dtype, strides, name))
         self._changed()
@@ -255,8 +258,27 @@ class KernelGraph:
             "outputs": list(self.outputs),
         }
 
-    def to_json(self, indent: int | None = None) -> str:
-        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+    def to_json(self, path: str | os.PathLike[str] | int | None = None, indent: int | None = None) -> str:
+        """The graph as JSON text; given a path (Mirage's ``g.to_json("graph.json")``) also write it there.
+
+        ``g.to_json(2)`` still means indent=2 (an int is never a path).
+        """
+        if isinstance(path, int) and not isinstance(path, bool):
+            if indent is not None:
+                raise GraphError(f"to_json({path}, indent={indent!r}): indent given twice; pass one of them")
+            path, indent = None, path
+        if indent is not None and (isinstance(indent, bool) or not isinstance(indent, int) or indent < 0):
+            raise GraphError(
+                f"to_json: indent must be a non-negative int or None, got {indent!r}; "
+                "to write a file pass its path: g.to_json('graph.json')"
+            )
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise GraphError(f"to_json: path must be a str or os.PathLike (a file to write), got {path!r}")
+        text = json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        return text
 
     @property
     def digest(self) -> str:
@@ -272,29 +294,25 @@ class KernelGraph:
         return isinstance(other, KernelGraph) and self.to_json() == other.to_json()
 
     @classmethod
-    def from_json(cls, text: str | dict[str, Any], backend: str | None = None) -> KernelGraph:
-        """Rebuild a graph, re-validating every op as it is added."""
-        data = json.loads(text) if isinstance(text, str) else text
-        if data.get("format") != FORMAT_VERSION:
-            raise GraphError(f"unsupported kernel-graph JSON format {data.get('format')!r}; expected {FORMAT_VERSION}")
+    def from_json(cls, source: str | os.PathLike[str] | bytes | dict[str, Any], backend: str | None = None
+                  ) -> KernelGraph:
+        """Rebuild a graph from JSON text, a file path or a dict, re-validating every op as it is added.
+
+        A str that starts with '{' is JSON text, any other str (or a pathlib.Path) names a file.
+        Anything malformed raises GraphError saying what is wrong.
+        """
+        nodes, outputs = check_document(read_source(source))
         g = cls(backend=backend)
-        for i, raw in enumerate(data["nodes"]):
+        for i, node in enumerate(nodes):
+            raw = check_node(i, node)
             if raw["op"] == "input":
                 t = g.new_input(raw["dims"], raw.get("strides"), raw["dtype"], raw.get("name", ""))
             else:
-                if raw["op"] not in OPS:
-                    raise GraphError(f"node {i}: unknown op {raw['op']!r}")
-                if any(not 0 <= j < i for j in raw["inputs"]):
-                    raise GraphError(f"node {i}: inputs {raw['inputs']} must refer to earlier nodes")
-                known = set(_ATTRS.get(raw["op"], ()))
-                extra = sorted(set(raw["attrs"]) - known)
-                if extra:
-                    raise GraphError(f"node {i}: unknown attrs {extra} for op {raw['op']!r}")
                 t = g._op(raw["op"], *(Tensor(g, j) for j in raw["inputs"]), **raw["attrs"])
-            if list(t.dims) != list(raw["dims"]) or t.dtype.name != raw["dtype"]:
+            if list(t.dims) != raw["dims"] or t.dtype.name != raw["dtype"]:
                 raise GraphError(f"node {i}: recorded dims/dtype {raw['dims']} {raw['dtype']} disagree with the op")
-        for out in data["outputs"]:
-            if not isinstance(out, int) or not 0 <= out < len(g.nodes):
+        for out in outputs:
+            if isinstance(out, bool) or not isinstance(out, int) or not 0 <= out < len(g.nodes):
                 raise GraphError(f"output {out!r} does not name a node (there are {len(g.nodes)})")
             g.mark_output(Tensor(g, out))
         return g
@@ -309,10 +327,38 @@ class KernelGraph:
     def run(self, inputs: Sequence[Any], backend: Any = None) -> list[Any]:
         return self.compile(backend)(inputs)
 
-    def __call__(self, inputs: Sequence[Any] | None = None, *, backend: Any = None) -> list[Any]:
+    def __call__(self, inputs: Sequence[Any] | None = None, *, outputs: Sequence[Tensor] | None = None,
+                 backend: Any = None) -> list[Any]:
+        """Compile (once) and run; Mirage's ``g(inputs=[...], outputs=[O])`` picks marked outputs to return."""
         if inputs is None:
             raise TypeError("call a KernelGraph as g(inputs=[tensor, ...]) with one torch tensor per input")
-        return self.run(inputs, backend)
+        picks = None if outputs is None else self._output_positions(outputs)
+        results = self.run(inputs, backend)
+        return results if picks is None else [results[k] for k in picks]
+
+    def _output_positions(self, outputs: Any) -> list[int]:
+        """Where each tensor of ``outputs=`` sits among the marked outputs; only those can be returned."""
+        if not isinstance(outputs, (list, tuple)):
+            raise GraphError(f"outputs= must be a list of tensors of this graph, got {type(outputs).__name__}")
+        positions = []
+        for t in outputs:
+            self._own(t, "outputs=")
+            if t.id not in self.outputs:
+                raise GraphError(
+                    f"outputs=: {t.node.label} is not a marked output of this graph (marked: "
+                    f"{', '.join(self.nodes[i].label for i in self.outputs) or 'none'}); "
+                    f"call g.mark_output({t.node.label}) before running, or leave outputs= out to get every one"
+                )
+            positions.append(self.outputs.index(t.id))
+        return positions
+
+    def __getattr__(self, name: str) -> Any:
+        """Only reached for missing names: Mirage APIs yirage lacks say what to use instead."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        from yirage.graph.compat import graph_attribute_error
+
+        raise graph_attribute_error(self, name)
 
 
 def new_kernel_graph(backend: Any = None) -> KernelGraph:

@@ -75,9 +75,32 @@ def _same_dtype(op: str, operands: Sequence[Operand]) -> DType:
 
 def _axis(op: str, operands: Sequence[Operand], dim: int) -> int:
     rank = len(operands[0].dims)
-    if not isinstance(dim, int) or not -rank <= dim < rank:
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -rank <= dim < rank:
         raise _fail(op, operands, f"dim={dim!r} is out of range for a tensor of rank {rank}")
     return dim % rank
+
+
+def as_number(op: str, name: str, value: Any) -> float | None:
+    """A float attribute as given by the user (None passes); strings and bools are refused, not parsed."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, str, bytes)):
+        raise GraphError(f"{op}: {name} must be a number, got {value!r}; pass a float such as 1.0")
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError, RuntimeError):  # RuntimeError: a many-element tensor
+        raise GraphError(f"{op}: {name} must be a number, got {type(value).__name__} {value!r}") from None
+
+
+def _real_attr(op: str, xs: Sequence[Operand], name: str, value: Any, *, finite: bool) -> float | None:
+    """Attributes reach the shape rules from the builder methods or from JSON: check their type here."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(op, xs, f"{name}={value!r} must be a number (got {type(value).__name__})")
+    if math.isnan(value) or (finite and math.isinf(value)):
+        raise _fail(op, xs, f"{name}={value} must be a finite number")
+    return float(value)
 
 
 # -- shape rules -------------------------------------------------------------
@@ -101,8 +124,9 @@ def infer_clamp(xs: list[Operand], attrs: dict[str, Any]) -> tuple[Dims, DType]:
     lo, hi = attrs["min_val"], attrs["max_val"]
     if lo is None and hi is None:
         raise _fail("clamp", xs, "give min_val, max_val or both")
-    if any(v is not None and math.isnan(v) for v in (lo, hi)):
-        raise _fail("clamp", xs, f"bounds must be numbers, got min_val={lo}, max_val={hi}")
+    for name, v in (("min_val", lo), ("max_val", hi)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v)):
+            raise _fail("clamp", xs, f"bounds must be numbers, got {name}={v!r}; pass floats (inf is allowed)")
     limits = _INT_RANGE.get(xs[0].dtype.name)
     if limits and any(v is not None and not limits[0] <= v <= limits[1] for v in (lo, hi)):
         raise _fail("clamp", xs, f"bounds must fit {xs[0].dtype}, got min_val={lo}, max_val={hi}")
@@ -150,14 +174,15 @@ def infer_softmax(xs: list[Operand], attrs: dict[str, Any]) -> tuple[Dims, DType
 
 def infer_rms_norm(xs: list[Operand], attrs: dict[str, Any]) -> tuple[Dims, DType]:
     _need_float("rms_norm", xs)
-    shape = tuple(attrs["normalized_shape"])
+    shape = check_dims(attrs["normalized_shape"], "rms_norm normalized_shape")
     if shape != xs[0].dims[-1:]:
         raise _fail(
             "rms_norm", xs,
             f"normalized_shape={shape} must be the last dim, ({xs[0].dims[-1]},); yirage normalizes over one dim",
         )
-    if not attrs["eps"] >= 0:
-        raise _fail("rms_norm", xs, f"eps={attrs['eps']} must be >= 0")
+    eps = _real_attr("rms_norm", xs, "eps", attrs["eps"], finite=True)
+    if eps is None or not eps >= 0:
+        raise _fail("rms_norm", xs, f"eps={attrs['eps']} must be >= 0 (and finite); the usual value is 1e-6")
     return xs[0].dims, xs[0].dtype
 
 
@@ -195,6 +220,7 @@ def infer_attention(xs: list[Operand], attrs: dict[str, Any]) -> tuple[Dims, DTy
             "attention", xs,
             "expects q (B, H, D), k_cache and v_cache (B, H_kv, S, D) with equal dims",
         )
+    _real_attr("attention", xs, "scale", attrs["scale"], finite=True)  # None: 1/sqrt(D)
     b, h, d = q.dims
     kb, hkv, _, kd = k.dims
     if kb != b or kd != d:
@@ -289,8 +315,24 @@ _register(OpSpec("embedding", "embedding", 2, infer_embedding, _ref_embedding))
 _register(OpSpec("attention", "attention", 4, infer_attention, ref_attention))
 
 
+#: The most elements one tensor may hold: byte offsets of 8-byte elements must fit a signed 64-bit int.
+MAX_NUMEL = 2**60
+
+
+def check_numel(dims: Dims, what: str) -> None:
+    """Refuse tensors too large to index, at build time rather than as a compiler overflow later."""
+    numel = math.prod(dims)
+    if numel > MAX_NUMEL:
+        raise GraphError(
+            f"{what} has dims {dims}: {numel} elements, more than yirage can index "
+            f"(at most 2**60 elements, so that byte offsets fit a signed 64-bit integer); use smaller dims"
+        )
+
+
 def check_dims(dims: Any, what: str = "dims") -> Dims:
     """Dims must be a non-empty sequence of positive ints."""
+    if isinstance(dims, (str, bytes)) or not hasattr(dims, "__iter__"):
+        raise GraphError(f"{what} must be a sequence of positive ints, got {dims!r}")
     try:
         if any(isinstance(d, bool) or not hasattr(d, "__index__") for d in dims):
             raise TypeError
@@ -302,4 +344,5 @@ def check_dims(dims: Any, what: str = "dims") -> Dims:
     return out
 
 
-__all__ = ["OPS", "GraphError", "Operand", "OpSpec", "as_dtype", "broadcast", "check_dims"]
+__all__ = ["MAX_NUMEL", "OPS", "GraphError", "Operand", "OpSpec", "as_dtype", "as_number", "broadcast", "check_dims",
+           "check_numel"]
