@@ -7,6 +7,6 @@ Plugin authors run the shared cases against their backend with::
 
 from __future__ import annotations
 
-from yirage.testing.oracle import TOLERANCE, assert_matches_reference, random_inputs
+from yirage.testing.oracle import TOLERANCE, assert_matches_reference, assert_same_floats, random_inputs
 
-__all__ = ["TOLERANCE", "assert_matches_reference", "random_inputs"]
+__all__ = ["TOLERANCE", "assert_matches_reference", "assert_same_floats", "random_inputs"]

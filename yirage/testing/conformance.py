@@ -1,6 +1,8 @@
 """Backend conformance cases: every op, broadcasting, layouts, fused patterns,
 bad inputs and hypothesis-generated random graphs, each compared with the
-float64 torch reference. Run them on any backend with
+float64 torch reference, plus the extreme-value cases of ``extremes`` (NaN,
+infinities, overflow, denormals; compared with torch at the same dtype).
+Run them on any backend with
 ``pytest --pyargs yirage.testing.conformance --yirage-backend NAME``.
 """
 
@@ -366,3 +368,6 @@ def test_random_graphs_round_trip_through_json() -> None:
         assert again == graph and again.digest == graph.digest and str(again) == str(graph)
 
     check()
+
+
+from yirage.testing.extremes import *  # noqa: E402, F403 - the extreme-value cases run with the rest of the kit

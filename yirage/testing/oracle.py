@@ -57,3 +57,37 @@ def assert_matches_reference(graph: KernelGraph, inputs: Sequence[Any], backend:
             msg=lambda m, i=index: f"output {i} of graph\n{graph}\ndiffers from the float64 reference: {m}",
         )
     return outs
+
+
+def assert_same_floats(got: Any, want: Any, rtol: float, atol: float, scale: Any = None,
+                       alternatives: Sequence[Any] = (), what: str = "output") -> None:
+    """IEEE-aware comparison of ``got`` with ``want`` (torch's own result at the same dtype).
+
+    NaN must sit exactly where ``want`` has NaN (NaN == NaN here); an infinity must be matched by the
+    same infinity, sign included; finite values must agree within ``atol + rtol * m`` per element,
+    where ``m`` is that element's own reference magnitude ``|want|`` (not the tensor's maximum), or
+    ``scale`` where it is larger: the float64 magnitude of the terms summed into the element (a sum
+    whose terms cancel is only as exact as its terms are large). An element also passes if it
+    matches one of ``alternatives`` the same way (where torch itself is inconsistent, e.g. float32
+    gelu(+inf), or where a narrow dtype may be computed in float32 and rounded once).
+    """
+    import torch
+
+    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    g, w = got.detach().to(torch.float64).flatten(), want.detach().to(torch.float64).flatten()
+
+    def passes(w: Any) -> Any:
+        m = w.abs() if scale is None else torch.maximum(w.abs(), scale.to(torch.float64).flatten().abs())
+        close = (g - w).abs() <= atol + rtol * m
+        finite = torch.isfinite(w) & torch.isfinite(g) & close
+        return (g.isnan() & w.isnan()) | (torch.isinf(w) & (g == w)) | finite
+
+    ok = passes(w)
+    for alternative in alternatives:
+        ok |= passes(alternative.detach().to(torch.float64).flatten())
+    if bool(ok.all()):
+        return
+    bad = (~ok).nonzero().flatten()
+    shown = ", ".join(f"[{int(i)}] got {g[i].item()!r} want {w[i].item()!r}" for i in bad[:8])
+    raise AssertionError(f"{what}: {bad.numel()} of {g.numel()} elements differ from torch "
+                         f"(rtol {rtol}, atol {atol}, flat index): {shown}")

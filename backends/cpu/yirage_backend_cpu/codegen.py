@@ -20,7 +20,7 @@ from yirage.compiler.kernel_ir import (
     Var,
 )
 
-RENDERER_VERSION = "1"
+RENDERER_VERSION = "2"  # 2: IEEE special values: no fast-math flags, reductions via racc/rfma/rmax
 PARALLEL_MIN_WORK = 1 << 16  # below this many weighted scalar ops, waking the thread pool costs more than it saves
 POINTWISE_CHUNK = 4096
 
@@ -83,18 +83,28 @@ def expr_src(expr: Expr, load: Callable[[Load], str], ct: str) -> str:
         "mul": lambda: f"({a[0]} * {a[1]})",
         "div": lambda: f"({a[0]} / {a[1]})",
         "pow": lambda: f"({a[0]} ** {a[1]})",
-        "max": lambda: f"max({a[0]}, {a[1]})",
-        "min": lambda: f"min({a[0]}, {a[1]})",
+        "max": lambda: f"fmax({a[0]}, {a[1]})",  # NaN-propagating, like torch.maximum and torch.clamp
+        "min": lambda: f"fmin({a[0]}, {a[1]})",
         "exp": lambda: f"fexp({a[0]})" if f32 else f"math.exp({a[0]})",
         "sqrt": lambda: f"math.sqrt({a[0]})",
         "rsqrt": lambda: f"({one} / math.sqrt({a[0]}))",
         "silu": lambda: f"fsilu({a[0]})" if f32 else f"dsilu({a[0]})",
         "gelu": lambda: f"fgelu({a[0]})" if f32 else f"dgelu({a[0]})",
-        "relu": lambda: f"max({a[0]}, {const(0, ct)})",
+        "relu": lambda: f"fmax({a[0]}, {const(0, ct)})",
         "square": lambda: f"({a[0]} * {a[0]})",
         "neg": lambda: f"(-{a[0]})",
     }
     return spell[expr.fn]()
+
+
+def acc_src(acc: str, x: str, ct: str) -> str:
+    """``acc + x`` for a sum over a loop: reassociable for floats (``racc``), so the loop vectorizes."""
+    return f"racc({acc}, {x})" if ct.startswith("float") else f"({acc} + {x})"
+
+
+def fma_src(acc: str, x: str, y: str, ct: str) -> str:
+    """``acc + x * y`` for a dot product: one reassociable FMA for floats (``rfma``)."""
+    return f"rfma({acc}, {x}, {y})" if ct.startswith("float") else f"({acc} + {x} * {y})"
 
 
 _COSTLY = {"exp": 8, "silu": 8, "gelu": 12, "pow": 12, "sqrt": 2, "rsqrt": 2, "div": 2}

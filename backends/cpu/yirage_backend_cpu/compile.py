@@ -9,7 +9,6 @@ finds the file and numba's compiled code beside it.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import logging
@@ -24,6 +23,7 @@ from yirage.compiler.cache import CacheError, cache_root, check_tree, private_di
 from yirage.compiler.kernel_ir import KernelPlan
 from yirage.errors import YirageError
 from yirage_backend_cpu.render import render_module
+from yirage_backend_cpu.sources import backend_fingerprint
 from yirage_backend_cpu.threads import guard
 
 __all__ = ["CacheError", "CompileError", "backend_fingerprint", "cache_root", "compile_plan"]
@@ -46,16 +46,6 @@ def _write_if_changed(path: Path, source: str) -> None:
 _LOCK = threading.Lock()  # numba compiles while the module executes: one import at a time
 
 
-@functools.cache
-def backend_fingerprint() -> str:
-    """Hash of the backend's own sources: generated kernels inline kernel_lib, which numba does not track."""
-    here = Path(__file__).parent
-    digest = hashlib.sha256()
-    for f in sorted(here.glob("*.py")):
-        digest.update(f.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 class CompileError(YirageError, RuntimeError):
     """numba could not compile a rendered plan: a renderer bug or an unsupported input, not a cache problem."""
 
@@ -64,7 +54,7 @@ def compile_plan(plan: KernelPlan, version: str) -> tuple[Callable[[Any], list[A
     source = render_module(plan, f"{version}+{backend_fingerprint()}")
     key = hashlib.sha256(source.encode()).hexdigest()[:24]
     root = private_root()
-    entry = private_dir(root / "cpu" / key)
+    entry = private_dir(private_dir(root / "cpu") / key)
     path = entry / "kernels.py"
     with _LOCK:
         _write_if_changed(path, source)

@@ -4,6 +4,19 @@ numba's ``np.exp``/``math.exp`` is a scalar libm call (SVML is off), which
 stops LLVM from vectorizing a loop. ``fexp`` is a Cephes-style float32 exp
 (range reduction to [-ln2/2, ln2/2], degree-6 polynomial, 2^n built in the
 exponent bits) that vectorizes; relative error < 2e-7.
+
+Special values follow IEEE and torch exactly. Every CPU kernel compiles with
+``FASTMATH``, which holds no LLVM fast-math flag: nnan/ninf/nsz/arcp/afn let
+LLVM assume no NaN or infinity ever occurs (``silu(-100)``, ``3 / inf`` and
+``exp(nan)`` came out as garbage once a loop ran vectorized), and even
+``reassoc``/``contract`` change special values in pointwise code: ``a / d *
+b`` reassociated to ``a * b / d`` overflows where torch does not, and an FMA
+keeps an overflowing product finite (``1e30 * 1e30 + -inf`` gives -inf, torch
+NaN). Reductions, whose order is unspecified anyway, opt in per instruction:
+``racc``/``rfma`` emit a reassociable add (and contractable multiply), which
+is all the loop vectorizer needs for sums and dot products; ``rmax`` is
+``llvm.maximum``. numba's builtin ``max``/``min`` drop a NaN, so kernels use
+``fmax``/``fmin``, which propagate it like ``torch.maximum``/``torch.clamp``.
 """
 
 from __future__ import annotations
@@ -13,38 +26,121 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
+
+from yirage_backend_cpu.sources import tie_caches_to_sources
 
 _F = np.float32
 
-# The LLVM fast-math flags every CPU kernel compiles with (one place, so all agree).
-FASTMATH = True
+# The LLVM fast-math flags every CPU kernel compiles with (one place, so all agree): none, so every
+# float operation rounds as IEEE says; reductions opt in to reassociation with racc/rfma/rmax.
+FASTMATH: set[str] = set()
+_REDUCE = ("reassoc", "contract")  # the flags racc and rfma put on their own instructions
+
+_EXP_INF = 88.72283172607422  # the largest float32 whose exp is finite: exp rounds to inf above it
+_EXP_ZERO = -103.97208  # below ln(2^-150), exp rounds to +0.0 in float32
+
+
+def _floats(*ts: types.Type) -> bool:
+    return isinstance(ts[0], types.Float) and all(t == ts[0] for t in ts)
+
+
+@intrinsic
+def fmuladd(typingctx, a, b, c):  # type: ignore[no-untyped-def]
+    """a * b + c, fused where the CPU has FMA (``llvm.fmuladd``); only for operands that cannot overflow."""
+    if not _floats(a, b, c):
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        ty = args[0].type
+        name = f"llvm.fmuladd.{'f32' if isinstance(ty, ir.FloatType) else 'f64'}"
+        return builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * 3), name), args)
+
+    return a(a, b, c), codegen
+
+
+@intrinsic
+def racc(typingctx, acc, x):  # type: ignore[no-untyped-def]
+    """acc + x that LLVM may reassociate: a sum over a loop written with it vectorizes."""
+    if not _floats(acc, x):
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.fadd(args[0], args[1], flags=_REDUCE)
+
+    return acc(acc, x), codegen
+
+
+@intrinsic
+def rfma(typingctx, acc, x, y):  # type: ignore[no-untyped-def]
+    """acc + x * y for dot products: reassociable (vectorizes) and contractable (one FMA)."""
+    if not _floats(acc, x, y):
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.fadd(args[0], builder.fmul(args[1], args[2], flags=_REDUCE), flags=_REDUCE)
+
+    return acc(acc, x, y), codegen
+
+
+@intrinsic
+def rmax(typingctx, a, b):  # type: ignore[no-untyped-def]
+    """LLVM's ``llvm.maximum`` for a max-reduction: NaN-propagating like ``fmax`` (it orders -0.0 below
+    +0.0, which a reduction cannot tell apart) and, unlike a compare-and-select, vectorizable without
+    the no-NaN fast-math flag."""
+    if not _floats(a, b):
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        ty = args[0].type
+        name = f"llvm.maximum.{'f32' if isinstance(ty, ir.FloatType) else 'f64'}"
+        return builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty]), name), args)
+
+    return a(a, b), codegen
+
+
+@njit(fastmath=FASTMATH, inline="always", cache=True)
+def fmax(a, b):  # type: ignore[no-untyped-def]
+    """max(a, b) that returns NaN if either is NaN, and ``a`` on ties (torch.clamp(-0.0, min=0.0) is -0.0)."""
+    return b if (b > a or b != b) else a
+
+
+@njit(fastmath=FASTMATH, inline="always", cache=True)
+def fmin(a, b):  # type: ignore[no-untyped-def]
+    """min(a, b) that returns NaN if either is NaN, and ``a`` on ties."""
+    return b if (b < a or b != b) else a
 
 
 @njit(fastmath=FASTMATH, inline="always", cache=True)
 def fexp(x):  # type: ignore[no-untyped-def]
-    """exp(x) for float32: inf above 88.72 and 0 below -103.9, as float32 overflows and underflows;
-    below -87.33 it returns exp(-87.33) (absolute error < 1.2e-38)."""
-    big = x > _F(88.72)
-    small = x < _F(-103.9)
-    top = x > _F(88.37)  # 2^128 does not fit the exponent: compute exp(x - ln 2) * 2
-    x = min(max(x - (_F(0.6931471805599453) if top else _F(0.0)), _F(-87.33)), _F(88.37))
-    n = _F(math.floor(x * _F(1.4426950408889634) + _F(0.5)))
-    r = x - n * _F(0.693359375) + n * _F(2.12194440e-4)
-    p = _F(1.9875691500e-4)
-    p = p * r + _F(1.3981999507e-3)
-    p = p * r + _F(8.3334519073e-3)
-    p = p * r + _F(4.1665795894e-2)
-    p = p * r + _F(1.6666665459e-1)
-    p = p * r + _F(5.0000001201e-1)
-    p = p * r * r + r + _F(1.0)
-    p = p + p if top else p  # doubled before scaling, so the product stays below FLT_MAX
-    y = p * np.int32((np.int32(n) + np.int32(127)) << 23).view(np.float32)
-    return _F(np.inf) if big else (_F(0.0) if small else y)
+    """exp(x) for float32 with float32's own special values: NaN for NaN, inf above 88.7228 and for +inf,
+    denormals down to 2^-149, +0.0 below -103.97 and for -inf."""
+    xr = x if x > _F(_EXP_ZERO) else _F(_EXP_ZERO)  # also maps NaN to a finite value (fptosi of NaN is poison)
+    xr = xr if xr < _F(_EXP_INF) else _F(_EXP_INF)
+    n = _F(math.floor(fmuladd(xr, _F(1.4426950408889634), _F(0.5))))
+    r = fmuladd(n, _F(2.12194440e-4), fmuladd(n, _F(-0.693359375), xr))  # Cody-Waite: n * ln 2 in two parts
+    p = fmuladd(_F(1.9875691500e-4), r, _F(1.3981999507e-3))  # |r| <= 0.35: no product can overflow
+    p = fmuladd(p, r, _F(8.3334519073e-3))
+    p = fmuladd(p, r, _F(4.1665795894e-2))
+    p = fmuladd(p, r, _F(1.6666665459e-1))
+    p = fmuladd(p, r, _F(5.0000001201e-1))
+    p = fmuladd(p * r, r, r) + _F(1.0)
+    # 2^n must be a normal float32: for n = 128 build 2^127 and double p (the product stays finite);
+    # for n < -125 build 2^(n + 64) and scale by 2^-64 at the end (one rounding into the denormals)
+    top = n > _F(127.0)
+    low = n < _F(-125.0)
+    p = p + p if top else p
+    e = np.int32(n) + (np.int32(64) if low else np.int32(0)) - (np.int32(1) if top else np.int32(0))
+    y = p * np.int32((e + np.int32(127)) << 23).view(np.float32)
+    y = y * _F(5.421010862427522e-20) if low else y
+    y = _F(np.inf) if x > _F(_EXP_INF) else (_F(0.0) if x < _F(_EXP_ZERO) else y)
+    return x if x != x else y
 
 
 @njit(fastmath=FASTMATH, inline="always", cache=True)
 def fsilu(x):  # type: ignore[no-untyped-def]
+    """x * sigmoid(x) spelled as torch's float32 kernel does: -0.0 for x <= -88.8, NaN for -inf and NaN."""
     return x / (_F(1.0) + fexp(-x))
 
 
@@ -85,3 +181,6 @@ def half_to_float(typingctx, bits):  # type: ignore[no-untyped-def]
         return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
 
     return types.float32(bits), codegen
+
+
+tie_caches_to_sources(globals())  # after every cached function above is defined

@@ -14,7 +14,8 @@ import numba
 import numpy as np
 from numba import njit
 
-from yirage_backend_cpu.kernel_lib import FASTMATH, as_pointer, fexp, half_to_float
+from yirage_backend_cpu.kernel_lib import FASTMATH, as_pointer, fexp, fmax, half_to_float, racc, rfma
+from yirage_backend_cpu.sources import tie_caches_to_sources
 
 U = np.uint64
 F = np.float32
@@ -82,10 +83,10 @@ def linear_f32(xs, batch, k, w_addr, n0, n1, out, out_cols, res, bias):  # type:
             s3 = F(0)
             for i in range(kk):
                 v = x[i]
-                s0 += v * c0[i]
-                s1 += v * c1[i]
-                s2 += v * c2[i]
-                s3 += v * c3[i]
+                s0 = rfma(s0, v, c0[i])
+                s1 = rfma(s1, v, c1[i])
+                s2 = rfma(s2, v, c2[i])
+                s3 = rfma(s3, v, c3[i])
             _store4(out, out_cols, b, nn, s0, s1, s2, s3, res, bias)
         nn += U(4)
     while nn < U(n1):
@@ -94,7 +95,7 @@ def linear_f32(xs, batch, k, w_addr, n0, n1, out, out_cols, res, bias):  # type:
             x = xs[b * kk:][:k]
             s0 = F(0)
             for i in range(kk):
-                s0 += x[i] * c0[i]
+                s0 = rfma(s0, x[i], c0[i])
             _store1(out, out_cols, b, nn, s0, res, bias)
         nn += U(1)
 
@@ -118,17 +119,17 @@ def linear_u16(xs, batch, k, w_addr, n0, n1, out, out_cols, res, bias, is_bf16):
             if is_bf16:
                 for i in range(kk):
                     v = x[i]
-                    s0 += v * bf16(c0[i])
-                    s1 += v * bf16(c1[i])
-                    s2 += v * bf16(c2[i])
-                    s3 += v * bf16(c3[i])
+                    s0 = rfma(s0, v, bf16(c0[i]))
+                    s1 = rfma(s1, v, bf16(c1[i]))
+                    s2 = rfma(s2, v, bf16(c2[i]))
+                    s3 = rfma(s3, v, bf16(c3[i]))
             else:
                 for i in range(kk):
                     v = x[i]
-                    s0 += v * f16(c0[i])
-                    s1 += v * f16(c1[i])
-                    s2 += v * f16(c2[i])
-                    s3 += v * f16(c3[i])
+                    s0 = rfma(s0, v, f16(c0[i]))
+                    s1 = rfma(s1, v, f16(c1[i]))
+                    s2 = rfma(s2, v, f16(c2[i]))
+                    s3 = rfma(s3, v, f16(c3[i]))
             _store4(out, out_cols, b, nn, s0, s1, s2, s3, res, bias)
         nn += U(4)
     while nn < U(n1):
@@ -137,7 +138,7 @@ def linear_u16(xs, batch, k, w_addr, n0, n1, out, out_cols, res, bias, is_bf16):
             x = xs[b * kk:][:k]
             s0 = F(0)
             for i in range(kk):
-                s0 += x[i] * (bf16(c0[i]) if is_bf16 else f16(c0[i]))
+                s0 = rfma(s0, x[i], (bf16(c0[i]) if is_bf16 else f16(c0[i])))
             _store1(out, out_cols, b, nn, s0, res, bias)
         nn += U(1)
 
@@ -202,15 +203,15 @@ def attention(qkv, b, g, group, d, pos, kc, vc, cache_seq, kv_heads, cos, sin, o
             key = kc[head + s * d:][:d]
             acc = F(0)
             for i in range(d):
-                acc += q[i] * key[i]
+                acc = rfma(acc, q[i], key[i])
             acc *= scale
             scores[s] = acc
-            mx = max(mx, acc)
+            mx = fmax(mx, acc)  # a NaN score makes the head NaN, as in torch
         total = F(0)
         for s in range(pos + 1):
             e = fexp(scores[s] - mx)
             scores[s] = e
-            total += e
+            total = racc(total, e)
         o = out[b * out_cols + (g * group + j) * d:][:d]
         for i in range(d):
             o[i] = F(0)
@@ -223,11 +224,12 @@ def attention(qkv, b, g, group, d, pos, kc, vc, cache_seq, kv_heads, cos, sin, o
 
 @njit(**OPTS)
 def argmax_row(logits, base, vocab):  # type: ignore[no-untyped-def]
+    """torch.argmax of one row: the first maximum, or the first NaN if the row has one."""
     best = 0
     top = logits[base]
     for i in range(1, vocab):
         v = logits[base + i]
-        if v > top:
+        if top == top and (v > top or v != v):
             top = v
             best = i
     return best
@@ -235,17 +237,25 @@ def argmax_row(logits, base, vocab):  # type: ignore[no-untyped-def]
 
 @njit(**OPTS)
 def sample_row(logits, base, vocab, temperature, top_k, top_p, state):  # type: ignore[no-untyped-def]
-    """Temperature, top-k, then nucleus top-p; ``state`` is a xorshift64* seed."""
+    """Temperature, top-k, then nucleus top-p; ``state`` is a xorshift64* seed.
+
+    A NaN logit is never drawn; if some logits are +inf, one of them is drawn (uniformly); if every
+    logit is NaN or -inf there is nothing to draw from and the pick is ``argmax_row``'s.
+    """
     scores = np.empty(vocab, np.float64)
     for i in range(vocab):
-        scores[i] = logits[base + i] / temperature
+        s = np.float64(logits[base + i]) / temperature
+        scores[i] = -np.inf if s != s else s
     order = np.argsort(-scores)
     keep = vocab if top_k == 0 else min(top_k, vocab)
     mx = scores[order[0]]
+    if mx == -np.inf:
+        return argmax_row(logits, base, vocab)
     probs = np.empty(keep, np.float64)
     total = 0.0
     for r in range(keep):
-        probs[r] = math.exp(scores[order[r]] - mx)
+        s = scores[order[r]]
+        probs[r] = (1.0 if s == mx else 0.0) if mx == np.inf else math.exp(s - mx)
         total += probs[r]
     cut = keep
     running = 0.0
@@ -266,3 +276,6 @@ def sample_row(logits, base, vocab, temperature, top_k, top_p, state):  # type: 
         if draw <= 0.0:
             return order[r]
     return order[cut - 1]
+
+
+tie_caches_to_sources(globals())  # after every cached function above is defined

@@ -20,12 +20,14 @@ from yirage_backend_cpu.codegen import (
     POINTWISE_CHUNK,
     RENDERER_VERSION,
     Emitter,
+    acc_src,
     at,
     compute_type,
     const,
     decompose,
     expr_cost,
     expr_src,
+    fma_src,
     has_rotate,
     kernel_def,
     offset,
@@ -114,9 +116,10 @@ def render_row(k: Row, buffers: dict[str, Buffer], emit: Emitter) -> list[str]:
                 with emit.block(f"for l in range(U({length})):"):
                     value = expr_src(red.expr, load, ct)
                     if red.combine == "sum":
-                        emit(f"v_{red.var} += {value}")
+                        emit(f"v_{red.var} = {acc_src(f'v_{red.var}', value, ct)}")
                     else:
-                        emit(f"v_{red.var} = max(v_{red.var}, {value})")
+                        vmax = "rmax" if ct.startswith("float") else "fmax"  # rmax: NaN-propagating, vectorizes
+                        emit(f"v_{red.var} = {vmax}(v_{red.var}, {value})")
             if k.per_row:
                 emit(f"{k.out}[b_{k.out}] = {expr_src(k.out_expr, row_load, ct)}")
             else:
@@ -179,16 +182,17 @@ def render_attention(k: Attention, buffers: dict[str, Buffer], emit: Emitter) ->
                 emit(f"acc = {const(0, ct)}")
                 emit(f"kr = {at('kb', 's', ks[2])}")
                 with emit.block(f"for d in range(U({k.head_dim})):"):
-                    emit(f"acc += {k.q}[{at('qb', 'd', qs[2])}] * {k.k}[{at('kr', 'd', ks[3])}]")
+                    q_d, k_d = f"{k.q}[{at('qb', 'd', qs[2])}]", f"{k.k}[{at('kr', 'd', ks[3])}]"
+                    emit(f"acc = {fma_src('acc', q_d, k_d, ct)}")
                 emit(f"acc *= {const(k.scale, ct)}")
                 emit("sc[s] = acc")
-                emit("mx = max(mx, acc)")
+                emit("mx = fmax(mx, acc)")
             emit(f"tot = {const(0, ct)}")
             exp = "fexp" if ct == "float32" else "math.exp"
             with emit.block("for s in range(n):"):
                 emit(f"e = {exp}(sc[s] - mx)")
                 emit("sc[s] = e")
-                emit("tot += e")
+                emit(f"tot = {acc_src('tot', 'e', ct)}")
             emit(f"ob = t * U({k.head_dim})")
             with emit.block(f"for d in range(U({k.head_dim})):"):
                 emit(f"{k.out}[ob + d] = {const(0, ct)}")
@@ -231,10 +235,11 @@ def render_module(plan: KernelPlan, version: str) -> str:
     emit("import torch")
     emit("from numba import njit, prange")
     emit("")
-    emit("from yirage_backend_cpu.kernel_lib import FASTMATH, as_pointer, dgelu, dsilu, fexp, fgelu, fsilu")
+    helpers = "as_pointer, dgelu, dsilu, fexp, fgelu, fmax, fmin, fsilu, racc, rfma, rmax"
+    emit(f"from yirage_backend_cpu.kernel_lib import FASTMATH, {helpers}")
     emit("")
     emit("U = np.uint64")
-    emit("_keep = (math, prange, dgelu, dsilu, fexp, fgelu, fsilu)")
+    emit(f"_keep = (math, prange, {helpers.removeprefix('as_pointer, ')})")
     launch: list[str] = []
     for k in plan.kernels:
         emit("")
@@ -252,7 +257,7 @@ def render_module(plan: KernelPlan, version: str) -> str:
             if buf.role == "input":
                 continue
             dims = buf.dims if buf.role == "output" else (math.prod(buf.dims),)
-            emit(f"T_{buf.name} = torch.empty({dims}, dtype=torch.{compute_type(buf)})")
+            emit(f"T_{buf.name} = torch.empty({dims}, dtype=torch.{compute_type(buf)}, device='cpu')")
             emit(f"{buf.name} = T_{buf.name}.data_ptr()")
         for line in launch:
             emit(line)

@@ -11,8 +11,9 @@ Three strategies, picked from the shapes and B's layout:
   (``torch.matmul``) in the launcher, epilogue kernel.
 
 The prologue materializes A when it is an expression (e.g. ``rms_norm(x) *
-g``) and computes the fused RMSNorm's per-row scale; the epilogue applies
-``$scale`` and the fused elementwise tail while the accumulator is hot.
+g``) or a fused RMSNorm scales it (per row, before the product, as torch
+does); the epilogue applies the fused elementwise tail while the
+accumulator is hot.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from yirage.graph.kernel_graph import contiguous_strides
 from yirage_backend_cpu.codegen import (
     PARALLEL_MIN_WORK,
     Emitter,
+    acc_src,
     at,
     compute_type,
     const,
     decompose,
     expr_src,
+    fma_src,
     kernel_def,
     offset,
     outer_loop,
@@ -55,8 +58,10 @@ class MatmulRenderer:
         self.b_strides = broadcast_strides(buffers[k.b], k.batch + (k.k, k.n))
         self.sbk, self.sbn = self.b_strides[-2], self.b_strides[-1]
         self.a_names, self.epi_names, self.names = matmul_args(k)
-        self.plain_a = self._plain_a()
         self.scale = k.row_scale is not None
+        # a fused RMSNorm scales A's rows before the product, as torch does: scaling the accumulator
+        # instead turns rms_norm(x) @ W into inf * 0 = NaN where x * w overflows (x = 1e30, w = -1e30)
+        self.plain_a = None if self.scale else self._plain_a()
         self.parallel = self.nb * k.m * k.n * k.k >= PARALLEL_MIN_WORK
         self.bidx = [f"q{d}" for d in range(len(k.batch))]
         self.epi_step = {x: broadcast_strides(buffers[x], k.space) for x in self.epi_names}
@@ -92,7 +97,7 @@ class MatmulRenderer:
 
         self.emit(f"v_acc = {acc}")
         if self.scale:
-            self.emit(f"v_scale = v_sc[bi * U({k.m}) + {row}]")
+            self.emit(f"v_scale = {const(1, self.ct)}  # A's rows are scaled already")
         self.emit(f"{k.out}[(bi * U({k.m}) + {row}) * U({k.n}) + {col}] = {expr_src(k.epilogue, epi_load, self.ct)}")
 
     def prologue(self, allocate: bool) -> None:
@@ -122,9 +127,11 @@ class MatmulRenderer:
                 if self.scale:
                     assert k.row_scale is not None
                     emit(f"x = {expr_src(k.row_scale, a_load, ct)}")
-                    emit("ss += x * x")
+                    emit(f"ss = {fma_src('ss', 'x', 'x', ct)}")
             if self.scale:
                 emit(f"v_sc[row] = {const(1, ct)} / math.sqrt(ss / {const(k.k, ct)} + {const(k.eps, ct)})")
+                with emit.block(f"for kk in range(U({k.k})):"):
+                    emit(f"a_mat[row * U({k.k}) + kk] *= v_sc[row]")
 
     # -- strategies -------------------------------------------------------------------
     def render(self) -> list[str]:
@@ -162,14 +169,17 @@ class MatmulRenderer:
                         emit(f"a{r} = {a_src}[mm * U({k.k}) + kk + U({r})]")
                     emit(f"dst = part[p * U({mn}) + mm * U({k.n}):][:{k.n}]")
                     with emit.block(f"for nn in range(U({k.n})):"):
-                        emit("dst[nn] += a0 * r0[nn] + a1 * r1[nn] + a2 * r2[nn] + a3 * r3[nn]")
+                        fused = "dst[nn]"
+                        for r in range(4):
+                            fused = fma_src(fused, f"a{r}", f"r{r}[nn]", ct)
+                        emit(f"dst[nn] = {fused}")
             with emit.block("for kk in range(k4, kz):"):
                 emit(f"brow = {k.b}[{at('bb', 'kk', self.sbk)}:][:{k.n}]")
                 with emit.block(f"for mm in range(U({k.m})):"):
                     emit(f"av = {a_src}[mm * U({k.k}) + kk]")
                     emit(f"dst = part[p * U({mn}) + mm * U({k.n}):][:{k.n}]")
                     with emit.block(f"for nn in range(U({k.n})):"):
-                        emit("dst[nn] += av * brow[nn]")
+                        emit(f"dst[nn] = {fma_src('dst[nn]', 'av', 'brow[nn]', ct)}")
         emit("bi = U(0)")
         self.batch_bases("bi", with_b=False)
         with outer_loop(emit, "cell", mn, self.parallel):
@@ -177,7 +187,7 @@ class MatmulRenderer:
             emit(f"nn = cell - mm * U({k.n})")
             emit(f"acc = {const(0, ct)}")
             with emit.block(f"for p in range(U({parts})):"):
-                emit(f"acc += part[p * U({mn}) + cell]")
+                emit(f"acc = {acc_src('acc', f'part[p * U({mn}) + cell]', ct)}")
             self.store("acc")
 
     def dot_tiles(self) -> None:
@@ -206,7 +216,8 @@ class MatmulRenderer:
                     emit(f"arow = (bi * U({k.m}) + mm) * U({k.k})")
                     emit(f"acc = {const(0, ct)}")
                     with emit.block(f"for kk in range(U({k.k})):"):
-                        emit(f"acc += {a_src}[arow + kk] * {k.b}[{at('bcol', 'kk', self.sbk)}]")
+                        b_kk = f"{k.b}[{at('bcol', 'kk', self.sbk)}]"
+                        emit(f"acc = {fma_src('acc', f'{a_src}[arow + kk]', b_kk, ct)}")
                     self.store("acc")
 
     def _register_block(self, a_src: str, rows: int, ct: str) -> None:
@@ -228,7 +239,7 @@ class MatmulRenderer:
                     for r in range(height):
                         emit(f"x{r} = a{r}[kk]")
                         for c in range(4):
-                            emit(f"s{r}{c} += x{r} * b{c}")
+                            emit(f"s{r}{c} = {fma_src(f's{r}{c}', f'x{r}', f'b{c}', ct)}")
                 for r in range(height):
                     emit(f"mm = m0 + U({r})")
                     for c in range(4):
@@ -251,11 +262,11 @@ class MatmulRenderer:
             emit("")
             emit("")
             if self.plain_a is None:
-                launch.append(f"T_{k.name}_a = torch.empty({self.nb * k.m * k.k}, dtype=torch.{ct})")
+                launch.append(f"T_{k.name}_a = torch.empty({self.nb * k.m * k.k}, dtype=torch.{ct}, device='cpu')")
                 launch.append(f"{k.name}_a = T_{k.name}_a.data_ptr()")
                 a_src = f"{k.name}_a"
             if self.scale:
-                launch.append(f"T_{k.name}_sc = torch.empty({self.nb * k.m}, dtype=torch.{ct})")
+                launch.append(f"T_{k.name}_sc = torch.empty({self.nb * k.m}, dtype=torch.{ct}, device='cpu')")
                 launch.append(f"{k.name}_sc = T_{k.name}_sc.data_ptr()")
             call = ([f"{k.name}_a"] if self.plain_a is None else []) + ([f"{k.name}_sc"] if self.scale else [])
             launch.append(f"{k.name}_pro({', '.join(call + [b.name for b in a_args])})")
