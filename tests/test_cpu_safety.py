@@ -90,15 +90,16 @@ def test_a_planted_pickle_in_a_writable_entry_never_runs(tmp_path) -> None:
     assert str(indexes[0].parent) in out.stderr and "chmod -R go-w" in out.stderr
 
 
-def test_a_cache_owned_by_someone_else_is_refused(tmp_path, monkeypatch) -> None:
+def test_a_cache_owned_by_someone_else_is_refused(tmp_path) -> None:
     from yirage.compiler import cache
 
     target = tmp_path / "entry"
     target.mkdir(mode=0o700)
     cache.check_private(target)  # ours: fine
-    monkeypatch.setattr(os, "geteuid", lambda: os.stat(target).st_uid + 1)
-    with pytest.raises(cache.CacheSecurityError, match=r"owned by uid .* not by you"):
-        cache.check_private(target)
+    st = os.lstat(target)
+    foreign = os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, 54321, *st[5:]))
+    with pytest.raises(cache.CacheSecurityError, match=r"owned by uid 54321, not by you"):
+        cache.check_private(target, foreign)
 
 
 def test_a_symlinked_entry_is_refused(tmp_path) -> None:
@@ -202,3 +203,64 @@ def test_four_threads_on_one_compiled_graph_agree_with_one(tmp_path, layer) -> N
     out = python(THREADS, tmp_path, NUMBA_THREADING_LAYER=layer)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-1] == "ok", out.stdout
+
+
+# -- numba caches of the backend's own functions --------------------------------------------------------
+
+STAMP = """
+import sys
+from yirage_backend_cpu import sources
+if len(sys.argv) > 1:
+    sources.backend_fingerprint = lambda: sys.argv[1]  # as if a backend source file had changed
+import numpy as np
+from yirage_backend_cpu.pk_tasks import argmax_row
+print(argmax_row(np.array([1.0, 3.0, 2.0], np.float32), 0, 3), sum(argmax_row.stats.cache_misses.values()))
+"""
+
+
+def test_editing_any_backend_source_recompiles_the_cached_task_functions(tmp_path) -> None:
+    """numba checks only the defining file; pk_tasks inlines kernel_lib, so the stamp carries all sources."""
+    import uuid
+
+    changed = uuid.uuid4().hex[:16]
+    results = []
+    for argv in ([], [changed], [changed]):
+        out = subprocess.run([sys.executable, "-c", STAMP, *argv], capture_output=True, text=True, cwd=ROOT,
+                             timeout=600, check=False)
+        assert out.returncode == 0, out.stderr
+        results.append(out.stdout.split())
+    assert all(r[0] == "1" for r in results)
+    assert results[1][1] == "1", "a changed fingerprint must recompile"
+    assert results[2][1] == "0", "the same fingerprint must load from the cache"
+
+
+PLANT = """
+import numpy as np
+from yirage_backend_cpu.pk_tasks import argmax_row
+print(argmax_row(np.array([1.0, 3.0, 2.0], np.float32), 0, 3))
+"""
+
+
+def test_a_planted_pickle_in_a_shared_numba_cache_dir_never_runs(tmp_path) -> None:
+    """The backend's own cached functions (the decode loop's tasks) load from NUMBA_CACHE_DIR when it is set."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(shared)}
+    first = subprocess.run([sys.executable, "-c", PLANT], capture_output=True, text=True, cwd=ROOT, env=env,
+                           timeout=600, check=False)
+    assert first.returncode == 0 and first.stdout.strip() == "1", first.stderr
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (os.system, (f"touch {marker}",))
+
+    (index,) = shared.rglob("pk_tasks.argmax_row-*.nbi")
+    index.write_bytes(pickle.dumps(Payload()))
+    index.chmod(0o666)
+    again = subprocess.run([sys.executable, "-c", PLANT], capture_output=True, text=True, cwd=ROOT, env=env,
+                           timeout=600, check=False)
+    assert not marker.exists(), "the planted pickle ran"
+    assert again.returncode != 0
+    assert "CacheSecurityError" in again.stderr and "writable by group or others" in again.stderr

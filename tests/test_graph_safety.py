@@ -148,8 +148,8 @@ def test_plain_tensors_take_the_fast_path_and_match_torch() -> None:
 # -- item 10: what a third-party backend's run returns is checked -----------------------------------------------
 
 WRONG_RUNS = {
-    "too_few": ("[]", "returned a list of length 0"),
-    "tuple": ("(torch.zeros(4),)", "returned a tuple"),
+    "too_few": ("[]", "returned 0 output(s), but the graph has 1"),
+    "tuple": ("(torch.zeros(4),)", "returned tuple (tensor("),
     "shape": ("[torch.zeros(5)]", "output 0 as Tensor (5,) float32"),
     "dtype": ("[torch.zeros(4, dtype=torch.float64)]", "float64"),
     "device": ("[torch.zeros(4, device='meta')]", "on meta"),
@@ -412,3 +412,65 @@ def test_from_json_arbitrary_documents_raise_only_graph_errors(nodes, outputs, f
         yr.KernelGraph.from_json({"format": fmt, "nodes": nodes, "outputs": outputs})
     except GraphError:
         pass
+
+
+def test_a_backend_whose_compile_returns_no_function_is_named(plugin_dir, isolated_selection) -> None:
+    from yirage.backend.registry import Registry
+
+    name = unique("nocompile")
+    source = fake_backends_source(f'_make("{name}", 5, kind="cpu")').replace(
+        "    return Fake\n", "    Fake.compile = lambda self, plan, graph: None\n    return Fake\n")
+    plugin_dir(source, dist="lazy-backend", version="0.3")
+    isolated_selection(Registry(environ={}))
+    g = yr.new_kernel_graph()
+    g.mark_output(g.relu(g.new_input((4,))))
+    with pytest.raises(BackendOutputError, match=r"lazy-backend 0\.3.*instead of a run\(inputs\) function"):
+        g.compile(name)
+
+
+AMBIENT = """
+import torch, yirage as yr
+from torch._subclasses.fake_tensor import FakeTensorMode
+g = yr.new_kernel_graph(backend="cpu")
+X, Y = g.new_input((4, 64)), g.new_input((4, 64))
+g.mark_output(g.add(g.exp(X), Y))
+x, y = torch.randn(4, 64), torch.randn(4, 64)
+want = torch.exp(x) + y
+g(inputs=[x, y])
+{setup}
+try:
+    (out,) = g(inputs=[x, y])
+    print("ran", type(out).__name__, out.device, torch.allclose(out, want))
+except Exception as exc:
+    print("raised", type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.parametrize("setup, expected", [
+    ("torch.set_default_device('meta')", "ran Tensor cpu True"),
+    ("ctx = torch.device('meta'); ctx.__enter__()", "ran Tensor cpu True"),
+    ("mode = FakeTensorMode(); mode.__enter__()", "raised InputError"),
+])
+def test_ambient_torch_modes_never_reach_compiled_code(setup, expected) -> None:
+    """Under a meta default device or FakeTensorMode the launcher's outputs once had no memory: a segfault."""
+    out = subprocess.run([sys.executable, "-c", AMBIENT.format(setup=setup)], capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().startswith(expected), out.stdout
+    if "InputError" in expected:
+        assert "FakeTensorMode" in out.stdout and "outside" in out.stdout
+
+
+def test_mirage_stream_and_hash_calls_say_what_to_use() -> None:
+    from yirage.errors import NotSupportedError
+
+    g = yr.new_kernel_graph(backend="reference")
+    g.mark_output(g.relu(g.new_input((4,))))
+    x = torch.randn(4)
+    torch.testing.assert_close(g(inputs=[x], stream=None)[0], torch.relu(x))
+    with pytest.raises(NotSupportedError, match="default stream"):
+        g(inputs=[x], stream=object())
+    with pytest.raises(NotSupportedError, match="g.digest"):
+        g.get_owner_independent_hash()
+    with pytest.raises(NotSupportedError, match="raises every graph or compile error"):
+        g.get_error_message()

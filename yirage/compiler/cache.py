@@ -47,20 +47,28 @@ def check_private(path: Path, info: os.stat_result | None = None) -> None:
     if stat.S_ISLNK(st.st_mode):
         raise CacheSecurityError(f"compile-cache path {path} is a symbolic link; yirage loads compiled code from "
                                  f"this cache and does not follow links there. {_fix(path)}")
-    if st.st_uid != os.geteuid():
+    if st.st_uid not in (os.geteuid(), 0):  # root could change anything anyway
         raise CacheSecurityError(
-            f"compile-cache path {path} is owned by uid {st.st_uid}, not by you (uid {os.geteuid()}); yirage runs "
-            f"code from this cache, so it only trusts files you own. {_fix(path)}")
+            f"compile-cache path {path} is owned by uid {st.st_uid}, not by you (uid {os.geteuid()}) or root; "
+            f"yirage runs code from this cache, so it only trusts files you own. {_fix(path)}")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise CacheSecurityError(
             f"compile-cache path {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):#o}); "
             f"another user could make yirage run their code. {_fix(path)}")
 
 
-def check_tree(path: Path) -> None:
-    """``check_private`` on a directory and everything below it (a cache entry holds a handful of files)."""
+def check_tree(path: Path, tighten: bool = False) -> None:
+    """``check_private`` on a directory and everything below it (a cache entry holds a handful of files).
+
+    ``tighten``: a directory of our own that group or others may write (numba creates its cache
+    directories with the umask's mode) loses those bits first; everything inside must still be ours.
+    """
     if not path.exists():
         return
+    if tighten and os.name == "posix":
+        st = os.lstat(path)
+        if st.st_uid == os.geteuid() and stat.S_ISDIR(st.st_mode) and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            os.chmod(path, stat.S_IMODE(st.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
     check_private(path)
     for dirpath, dirnames, filenames in os.walk(path):
         for name in dirnames + filenames:

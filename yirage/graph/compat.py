@@ -28,6 +28,9 @@ GRAPH_HINTS: dict[str, str] = {
     "get_input_dtensor_layout": "each node in g.inputs carries its .dims and .strides",
     "generate_triton_program": "yirage compiles for the selected backend itself: call g.compile(backend)",
     "cygraph": "a KernelGraph is pure Python; g.nodes, g.inputs and g.outputs describe it",
+    "get_owner_independent_hash": "g.digest is a stable content hash of the graph (the same in every process)",
+    "get_error_message": "yirage raises every graph or compile error as an exception when it happens "
+                         "(yr.YirageError subclasses); there is no stored message to fetch",
 }
 
 #: Module-level names of Mirage (python/mirage/__init__.py) that ``yirage`` does not have.

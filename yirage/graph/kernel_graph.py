@@ -328,10 +328,20 @@ class KernelGraph:
         return self.compile(backend)(inputs)
 
     def __call__(self, inputs: Sequence[Any] | None = None, *, outputs: Sequence[Tensor] | None = None,
-                 backend: Any = None) -> list[Any]:
-        """Compile (once) and run; Mirage's ``g(inputs=[...], outputs=[O])`` picks marked outputs to return."""
+                 backend: Any = None, stream: Any = None) -> list[Any]:
+        """Compile (once) and run; Mirage's ``g(inputs=[...], outputs=[O])`` picks marked outputs to return.
+
+        ``stream`` (Mirage's CUDA stream) must be None: yirage launches on the backend's default stream,
+        and silently ignoring a stream would break the caller's ordering.
+        """
         if inputs is None:
             raise TypeError("call a KernelGraph as g(inputs=[tensor, ...]) with one torch tensor per input")
+        if stream is not None:
+            from yirage.errors import NotSupportedError
+
+            raise NotSupportedError("g(..., stream=...) is not supported yet: yirage launches on the backend's "
+                                    "default stream; drop stream= (synchronize your own stream first, e.g. "
+                                    "stream.synchronize()) or leave it None")
         picks = None if outputs is None else self._output_positions(outputs)
         results = self.run(inputs, backend)
         return results if picks is None else [results[k] for k in picks]

@@ -90,6 +90,7 @@ class Executable:
 
         if not isinstance(inputs, (list, tuple)):
             raise InputError(f"inputs must be a list of torch tensors, got {type(inputs).__name__}")
+        _check_no_dispatch_mode()
         if len(inputs) != len(self._checks):
             raise InputError(
                 f"the graph has {len(self._checks)} input(s) but {len(inputs)} tensor(s) were passed; "
@@ -140,9 +141,11 @@ class Executable:
         import torch
 
         expected = ", ".join(f"{tuple(dims)} {str(dtype).removeprefix('torch.')}" for dims, dtype in self._outs)
-        if type(out) is not list or len(out) != len(self._outs):
-            got = f"{type(out).__name__} of length {len(out)}" if hasattr(out, "__len__") else repr(out)[:80]
-            problem = f"returned a {got}, but the graph has {len(self._outs)} output(s) and run must return a list"
+        if type(out) is not list:
+            problem = (f"returned {type(out).__name__} {repr(out)[:80]}, but run must return a list of "
+                       f"{len(self._outs)} tensor(s)")
+        elif len(out) != len(self._outs):
+            problem = f"returned {len(out)} output(s), but the graph has {len(self._outs)}"
         else:
             k, o = next(((k, o) for k, (o, (dims, dtype)) in enumerate(zip(out, self._outs, strict=True)) if not (
                 type(o) is torch.Tensor and o.dtype is dtype and o.shape == dims
@@ -177,8 +180,9 @@ def _specialize(exe: Executable, graph: KernelGraph) -> tuple[Callable[[Any], bo
     device = exe.backend.torch_device
     on_device = (lambda v: f"{v}.is_cpu") if device == "cpu" else (lambda v: f"{v}.device.type == DEV")
     env: dict[str, Any] = {"__name__": __name__, "T": torch.Tensor, "P": torch.nn.Parameter, "S": torch.strided,
-                           "DEV": device, "run": exe._run, "slow": exe._slow, "bad": exe._bad_outputs}
-    conds = []
+                           "DEV": device, "run": exe._run, "slow": exe._slow, "bad": exe._bad_outputs,
+                           "MODES": torch._C._len_torch_dispatch_stack}
+    conds = ["not MODES()"]  # a dispatch mode (FakeTensorMode) would hand run() fake outputs to write into
     for k, node in enumerate(graph.inputs):
         t, dims = f"t{k}", node.dims
         env[f"D{k}"] = node.dtype.torch
@@ -208,13 +212,13 @@ def _specialize(exe: Executable, graph: KernelGraph) -> tuple[Callable[[Any], bo
 def fast_ok(inputs):
     if (type(inputs) is list or type(inputs) is tuple) and len(inputs) == {n}:
         {unpack}
-        return bool({" and ".join(conds) or "True"})
+        return bool({" and ".join(conds)})
     return False
 
 def call(inputs):
     if (type(inputs) is list or type(inputs) is tuple) and len(inputs) == {n}:
         {unpack}
-        if {" and ".join(conds) or "True"}:
+        if {" and ".join(conds)}:
             out = run([{names}])
             if type(out) is list and {" and ".join(outs)}:
                 return out
@@ -223,6 +227,18 @@ def call(inputs):
 """
     exec(compile(source, f"<yirage guard {graph.digest[:12]}>", "exec"), env)  # noqa: S102 - our own text
     return env["fast_ok"], env["call"]
+
+
+def _check_no_dispatch_mode() -> None:
+    """Compiled code writes real memory; under a dispatch mode torch would allocate fake or meta outputs."""
+    import torch
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if torch._C._len_torch_dispatch_stack():
+        modes = ", ".join(type(m).__name__ for m in _get_current_dispatch_mode_stack()) or "a dispatch mode"
+        raise InputError(f"a compiled graph was called while a torch dispatch mode is active ({modes}): compiled "
+                         "kernels read and write real memory, and tensors made under the mode have none. Call the "
+                         "graph outside the mode (e.g. outside FakeTensorMode), or use g.compile('reference') there")
 
 
 def _subclass_message(what: str, t: Any) -> str:
@@ -307,6 +323,10 @@ def compile_graph(graph: KernelGraph, backend: Any = None) -> Executable:
     started = time.perf_counter()
     plan = build_plan(graph)
     run = chosen.compile(plan, graph)
+    if not callable(run):
+        raise BackendOutputError(f"backend {chosen.name!r} (from {_plugin_of(chosen)}) returned {run!r} from "
+                                 "compile(plan, graph) instead of a run(inputs) function. This is a bug in the plugin: "
+                                 "report it to its authors, and compile with another backend meanwhile")
     seconds = time.perf_counter() - started
     logger.info("compiled graph %s for %s in %.3f s (%d kernels)", graph.digest[:12], chosen.name, seconds,
                 len(plan.kernels))
