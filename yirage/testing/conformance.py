@@ -287,6 +287,8 @@ def _small_graph() -> yr.KernelGraph:
     (lambda: [torch.randn(2, 3), [[0.0] * 3] * 2], "torch.Tensor"),
     (lambda: torch.randn(2, 3), "list"),
     (lambda: [torch.randn(2, 3), torch.randn(2, 3).to_sparse()], "layout"),
+    (lambda: [torch.randn(2, 3), torch.randn(2, 3)._neg_view()], "resolve_neg"),
+    (lambda: [torch.randn(2, 3), torch.randn(2, 3, device="meta")], "meta tensor"),
 ])
 def test_bad_inputs_are_refused_with_the_fix(yirage_backend, inputs, message) -> None:
     from yirage.runtime.executable import InputError
