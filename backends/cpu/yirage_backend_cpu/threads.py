@@ -19,12 +19,12 @@ import ctypes
 import functools
 import logging
 import os
-import threading
 from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
 from yirage.errors import YirageError
+from yirage.locks import ForkSafeRLock
 
 logger = logging.getLogger("yirage.cpu")
 
@@ -34,7 +34,7 @@ class ForkError(YirageError, RuntimeError):
 
 
 _state = {"forked_from": "", "serial": False}
-_serial_lock = threading.RLock()
+_serial_lock = ForkSafeRLock()  # a child forked mid-launch must not inherit it held
 
 
 @functools.cache
