@@ -205,7 +205,7 @@ def _specialize(exe: Executable, graph: KernelGraph) -> tuple[Callable[[Any], bo
         env[f"O{k}"] = node.dtype.torch
         outs.append(f"type(o{k} := out[{k}]) is T and o{k}.dtype is O{k} and o{k}.shape == {node.dims!r} "
                     f"and {on_device(f'o{k}')}")
-    n = len(conds)
+    n = len(graph.inputs)
     names = ", ".join(f"t{k}" for k in range(n))
     unpack = f"{names}, = inputs" if n else "pass"
     source = f"""
