@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from yirage.engine import GenerationConfig, InferEngine
+from yirage.errors import NotSupportedError
 from yirage.models.llama import ModelError
 
 transformers = pytest.importorskip("transformers")
@@ -135,3 +136,77 @@ def test_a_prompt_past_max_position_embeddings_warns_and_stays_correct(tiny, eng
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         engine.generate(ids[:, :8], config)  # within the trained length: no warning
+
+
+# -- follow-ups from a hostile-user review: silent wrong numbers and unclear errors in the loader ------------
+
+
+@pytest.mark.parametrize("edit, error, message", [
+    (lambda c: {**c, "hidden_act": "gelu"}, NotSupportedError, r"config.json: hidden_act='gelu' is not supported"),
+    (lambda c: {**c, "rope_theta": -1.0}, ModelError, r"config.json: rope_theta=-1.0 must be a finite number > 0"),
+    (lambda c: {**c, "rope_theta": math.nan}, ModelError, r"config.json: rope_theta=nan must be a finite number"),
+    (lambda c: {**c, "rope_theta": "10000"}, ModelError, r"config.json: rope_theta='10000' must be a finite number"),
+    (lambda c: {**c, "rope_parameters": {"rope_theta": -1.0, "rope_type": "default"}}, ModelError,
+     r"config.json: rope_parameters.rope_theta=-1.0 must be a finite number > 0"),
+    (lambda c: {**c, "rope_parameters": {"rope_theta": 0, "rope_type": "default"}}, ModelError,
+     r"rope_parameters.rope_theta=0 must be a finite number > 0"),
+    (lambda c: {**c, "rms_norm_eps": math.nan}, ModelError, r"config.json: rms_norm_eps=nan must be a finite number"),
+    (lambda c: {**c, "rms_norm_eps": -1e-6}, ModelError, r"config.json: rms_norm_eps=-1e-06 must be a finite number"),
+])
+def test_settings_that_would_give_wrong_numbers_are_refused(tiny, tmp_path, edit, error, message) -> None:
+    with pytest.raises(error, match=message):
+        InferEngine(variant(tiny, tmp_path, edit), backend="reference")
+
+
+def test_swish_is_silu_and_accepted(tiny, tmp_path) -> None:
+    _, model = tiny
+    ids = torch.tensor([[5, 17, 99]])
+    engine = InferEngine(variant(tiny, tmp_path, lambda c: {**c, "hidden_act": "swish"}), backend="reference")
+    got = engine.generate(ids, GenerationConfig(max_new_tokens=4, eos_token_id=())).tokens
+    assert got.tolist() == hf_greedy(model, ids, 4).tolist()
+
+
+def test_checkpoint_layers_past_num_hidden_layers_are_named_in_a_warning(tiny, tmp_path) -> None:
+    path = variant(tiny, tmp_path, lambda c: {**c, "num_hidden_layers": 1})
+    with pytest.warns(UserWarning, match=r"num_hidden_layers=1 does not use: layers\.1\.\*\. They are ignored"):
+        engine = InferEngine(path, backend="reference")
+    ids = torch.tensor([[5, 17, 99]])
+    oracle = transformers.LlamaForCausalLM.from_pretrained(path).eval()  # transformers ignores them too
+    got = engine.generate(ids, GenerationConfig(max_new_tokens=4, eos_token_id=())).tokens
+    assert got.tolist() == hf_greedy(oracle, ids, 4).tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        InferEngine(tiny[0], backend="reference")  # every layer used: no warning
+
+
+def test_a_model_path_that_is_missing_or_a_file_is_refused_with_the_fix(tiny, tmp_path) -> None:
+    with pytest.raises(ModelError, match=r"model path '.*nope' does not exist: pass the directory"):
+        InferEngine(tmp_path / "nope", backend="reference")
+    with pytest.raises(ModelError, match=r"is a file, not a directory: pass the directory .*perhaps"):
+        InferEngine(tiny[0] / "config.json", backend="reference")
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(engine) -> None:
+    import psutil
+
+    available = psutil.virtual_memory().available / 2**30
+    need = 2 * 2 * 1 * 2 * (2 + 10**9 + 1) * 16 * 4 / 2**30  # k and v, layers, batch, kv heads, positions, head_dim
+    assert need > available
+    with pytest.raises(ModelError, match=rf"KV cache .* would need {need:.3g} GB .* only .* GB of memory is available"
+                                         r"; lower max_new_tokens"):
+        engine.generate([1, 2], GenerationConfig(max_new_tokens=10**9, eos_token_id=()))
+    got = engine.generate([1, 2], GenerationConfig(max_new_tokens=3, eos_token_id=()))  # still usable
+    assert got.tokens.shape == (1, 3)
+
+
+def test_forward_with_a_batch_larger_than_the_cache_says_to_reset_it(tiny) -> None:
+    _, model = tiny
+    engine = InferEngine(tiny[0], backend="reference")
+    engine.reset_cache(1, 8)
+    ids = torch.tensor([[5, 17, 99], [1, 2, 3]])
+    with pytest.raises(ModelError, match=r"batch 2, but the KV cache holds 1 rows: call reset_cache\(2, max_len\)"):
+        engine.forward(ids, torch.arange(3).expand(2, 3))
+    engine.reset_cache(2, 8)
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch.testing.assert_close(engine.forward(ids), expected, rtol=1e-4, atol=1e-4)  # positions default to 0..T-1

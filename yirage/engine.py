@@ -7,14 +7,15 @@ then hands the rest of the decode loop to a compiled PersistentKernel.
 from __future__ import annotations
 
 import math
-import threading
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from yirage.locks import ForkSafeRLock
 from yirage.models.llama import LlamaModel, ModelError
+from yirage.persistent.guard import refuse_dispatch_modes
 
 SEED_LIMIT = 2**32  # sampling seeds mix with positions in int64 arithmetic on every runtime
 
@@ -83,7 +84,7 @@ class InferEngine:
                  num_workers: int | None = None, num_local_schedulers: int | None = None) -> None:
         from yirage.backend.selection import current_backend, resolve
 
-        self._lock = threading.RLock()
+        self._lock = ForkSafeRLock()  # a child forked while another thread generates gets a fresh lock
         self.backend = current_backend() if backend is None else resolve(backend, "InferEngine(backend=...)")
         self.model = LlamaModel.from_pretrained(model_path, dtype)
         self.tokenizer = _local_tokenizer(model_path)
@@ -103,13 +104,19 @@ class InferEngine:
         with self._lock:
             if self._tokens is not None and tuple(self._tokens.shape) == (batch_size, max_len):
                 return  # same shapes: keep the caches (positions are rewritten before they are read) and decoders
+            self.model.check_cache_fits(batch_size, max_len)  # before dropping anything
             self._decoders.clear()  # they address the old caches: drop them first
             self.model.reset_cache(batch_size, max_len)
-            self._tokens = torch.zeros(batch_size, max_len, dtype=torch.int64)
-            self._step = torch.zeros(batch_size, dtype=torch.int64)
+            self._tokens = torch.zeros(batch_size, max_len, dtype=torch.int64, device="cpu")
+            self._step = torch.zeros(batch_size, dtype=torch.int64, device="cpu")
 
-    def forward(self, input_ids: Any, positions: Any) -> Any:
+    def forward(self, input_ids: Any, positions: Any = None) -> Any:
+        """Logits (B, T, vocab) at ``positions`` (default 0..T-1), writing the KV cache made by reset_cache."""
+        import torch
+
         with self._lock:
+            if positions is None and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+                positions = torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], input_ids.shape[1])
             return self.model.forward(input_ids, positions)
 
     def _pick(self, logits: Any, config: GenerationConfig) -> Any:
@@ -182,6 +189,7 @@ class InferEngine:
         stops a long decode within a step or so and raises KeyboardInterrupt;
         the engine stays usable.
         """
+        refuse_dispatch_modes("InferEngine.generate() was called")
         with self._lock:
             return self._generate(input_ids, config)
 
@@ -196,6 +204,8 @@ class InferEngine:
         eos = self.config.eos_token_id if config.eos_token_id is None else config.eos_token_id
         eos_ids = (eos,) if isinstance(eos, int) else tuple(eos)
         max_len = prompt + config.max_new_tokens + 1
+        if self._tokens is None or tuple(self._tokens.shape) != (batch, max_len):
+            self.model.check_cache_fits(batch, max_len)  # a clear error before any warning or allocation
         window = self.config.sliding_window
         if window is not None and max_len > window:
             raise ModelError(f"prompt + new tokens ({max_len}) exceed the model's sliding window ({window}); "

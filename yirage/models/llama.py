@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from yirage.errors import YirageError
+from yirage.errors import NotSupportedError, YirageError
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 
@@ -53,7 +55,15 @@ class LlamaConfig:
         scaling = _typed(cfg, "rope_scaling", dict, None) or rope
         if scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
             raise ModelError(f"RoPE scaling {scaling} is not supported yet; only plain RoPE (rope_theta)")
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise NotSupportedError(f"config.json: hidden_act={act!r} is not supported; yirage's Llama-family "
+                                    "decoder computes silu (\"silu\" or \"swish\"), so any other activation "
+                                    "would give wrong numbers. Use a model whose config.json says \"silu\"")
+        theta = 10000.0
+        for where, settings in (("rope_theta", cfg), ("rope_parameters.rope_theta", rope)):  # the latter wins
+            if settings.get("rope_theta") is not None:
+                theta = _positive_number(settings["rope_theta"], where)
         if cfg.get("mlp_bias"):
             raise ModelError("mlp_bias=True (biases on gate/up/down) is not supported yet")
         if cfg.get("attention_bias") and kind != "qwen2":
@@ -74,11 +84,7 @@ class LlamaConfig:
         eos_ids = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
         if any(isinstance(e, bool) or not isinstance(e, int) or e < 0 for e in eos_ids):
             raise ModelError(f"eos_token_id must be an int id >= 0 or a list of them, got {eos!r}; fix config.json")
-        try:
-            theta, eps = float(theta), float(cfg.get("rms_norm_eps", 1e-6))
-        except (TypeError, ValueError):
-            raise ModelError(f"rope_theta={theta!r} and rms_norm_eps={cfg.get('rms_norm_eps')!r} must be numbers; "
-                             "fix config.json") from None
+        eps = _positive_number(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", allow_zero=True)
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", kind == "mistral") else None
         return cls(
             model_type=kind,
@@ -136,6 +142,16 @@ def _count(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
     return value
 
 
+def _positive_number(value: Any, key: str, allow_zero: bool = False) -> float:
+    """A finite number > 0 (>= 0 with ``allow_zero``) from config.json; NaN or a string would give wrong numbers."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ModelError(f"config.json: {key}={value!r} must be a finite number {bound}; fix config.json (the "
+                         "value transformers saved for this model, e.g. 10000.0 for rope_theta, 1e-6 for rms_norm_eps)")
+    return float(value)
+
+
 def _typed(cfg: dict[str, Any], key: str, kind: type, default: Any) -> Any:
     value = cfg.get(key, default)
     if value is not None and not isinstance(value, kind):
@@ -143,8 +159,24 @@ def _typed(cfg: dict[str, Any], key: str, kind: type, default: Any) -> Any:
     return value
 
 
+def check_model_dir(model_dir: str | Path) -> Path:
+    """The model directory, or a ModelError that says what was passed instead and what to pass."""
+    try:
+        path = Path(model_dir)
+    except TypeError:
+        raise ModelError(f"model_path must be a directory path (str or Path), got {type(model_dir).__name__}") \
+            from None
+    if not path.exists():
+        raise ModelError(f"model path {str(path)!r} does not exist: pass the directory of a Hugging Face model "
+                         "(with config.json and *.safetensors), e.g. one written by save_pretrained()")
+    if not path.is_dir():
+        raise ModelError(f"model path {str(path)!r} is a file, not a directory: pass the directory that holds "
+                         f"config.json and *.safetensors (perhaps {str(path.parent)!r})")
+    return path
+
+
 def load_config(model_dir: str | Path) -> LlamaConfig:
-    path = Path(model_dir) / "config.json"
+    path = check_model_dir(model_dir) / "config.json"
     try:
         return LlamaConfig.from_dict(json.loads(path.read_text()))
     except FileNotFoundError:
@@ -200,6 +232,18 @@ def divisor_near(n: int, target: int) -> int:
     return min(divisors, key=lambda d: (abs(d - target), d))
 
 
+def _warn_unused_layers(weights: dict[str, Any], layers: int) -> None:
+    """Checkpoint layers past num_hidden_layers are ignored (as transformers does); say so, naming them."""
+    found = {int(m.group(1)) for m in map(re.compile(r"layers\.(\d+)\.").match, weights) if m}
+    extra = sorted(found - set(range(layers)))
+    if extra:
+        names = ", ".join(f"layers.{i}.*" for i in extra[:8]) + (f", ... ({len(extra)} in all)" if len(extra) > 8
+                                                                 else "")
+        warnings.warn(f"the checkpoint has decoder layers that config.json's num_hidden_layers={layers} does not "
+                      f"use: {names}. They are ignored (as transformers does); if the model needs them, set "
+                      f"num_hidden_layers={max(extra) + 1} in config.json", UserWarning, stacklevel=4)
+
+
 class LlamaModel:
     """Weights in decode layout, KV caches, prefill in torch, decode as a PersistentKernel."""
 
@@ -223,6 +267,7 @@ class LlamaModel:
                                  f"{shapes[name]}; the checkpoint and config.json disagree: fix or re-export them")
             return t
 
+        _warn_unused_layers(w, c.layers)
         self.embed = cast(get("embed_tokens.weight"))
         self.norm = cast(get("norm.weight"))
         tied = "lm_head.weight" not in w and c.tie_embeddings
@@ -267,13 +312,29 @@ class LlamaModel:
         dtype = resolve_dtype(dtype)  # before reading gigabytes of weights
         return cls(load_config(model_dir), load_weights(model_dir), dtype)
 
+    def check_cache_fits(self, batch_size: int, max_len: int) -> None:
+        """Refuse, before allocating anything, a KV cache larger than the memory available now."""
+        import psutil
+
+        c = self.config
+        kv = 2 * c.layers * batch_size * c.kv_heads * max_len * c.head_dim * 4  # float32 keys and values
+        rest = 2 * max_len * c.head_dim * 4 + batch_size * max_len * 8  # RoPE tables, token buffer
+        available = psutil.virtual_memory().available
+        if kv + rest > available:
+            raise ModelError(
+                f"the KV cache for batch {batch_size} x {max_len} positions would need {kv / 2**30:.3g} GB "
+                f"({c.layers} layers x {c.kv_heads} kv heads x head_dim {c.head_dim}, float32 keys and values), but "
+                f"only {available / 2**30:.3g} GB of memory is available; lower max_new_tokens (or the prompt "
+                "length or batch size)")
+
     def reset_cache(self, batch_size: int, max_len: int) -> None:
         import torch
 
         c = self.config
+        self.check_cache_fits(batch_size, max_len)
         shape = (batch_size, c.kv_heads, max_len, c.head_dim)
-        self.k_cache = [torch.zeros(shape) for _ in range(c.layers)]
-        self.v_cache = [torch.zeros(shape) for _ in range(c.layers)]
+        self.k_cache = [torch.zeros(shape, device="cpu") for _ in range(c.layers)]
+        self.v_cache = [torch.zeros(shape, device="cpu") for _ in range(c.layers)]
         self.cos, self.sin = rope_tables(c, max_len)
 
     # -- prefill (and any multi-token forward) in torch ----------------------------------
@@ -285,9 +346,21 @@ class LlamaModel:
         c, d = self.config, self.config.head_dim
         if not self.k_cache:
             raise ModelError("call reset_cache(batch_size, max_len) before forward")
+        if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2
+                and input_ids.dtype in (torch.int32, torch.int64)):
+            raise ModelError(f"input_ids must be a (batch, len) int tensor, got {getattr(input_ids, 'shape', None)} "
+                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
         b, t = input_ids.shape
-        if positions.shape != (b, t) or int(positions.max()) >= self.k_cache[0].shape[2]:
-            raise ModelError(f"positions must be (B, T) = {(b, t)} within the cache length {self.k_cache[0].shape[2]}")
+        cache_batch, cache_len = self.k_cache[0].shape[0], self.k_cache[0].shape[2]
+        if b > cache_batch:
+            raise ModelError(f"input_ids has batch {b}, but the KV cache holds {cache_batch} rows: call "
+                             f"reset_cache({b}, max_len) first")
+        if not isinstance(positions, torch.Tensor) or positions.shape != (b, t) or t == 0 \
+                or int(positions.min()) < 0 or int(positions.max()) >= cache_len:
+            raise ModelError(f"positions must be a (B, T) = {(b, t)} tensor of positions in [0, {cache_len}) (the "
+                             f"cache length; call reset_cache(batch, max_len) for a longer one)")
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= c.vocab:
+            raise ModelError(f"input_ids must lie in [0, vocab_size={c.vocab})")
         f32 = torch.float32
         x = self.embed[input_ids].to(f32)
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # (B, T, 1, D)

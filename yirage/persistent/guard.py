@@ -56,6 +56,26 @@ def check_tensor(t: Any, what: str, device_type: str, written: bool = False) -> 
                          f"({t.untyped_storage().nbytes()} bytes); pass a fresh contiguous tensor (.clone())")
 
 
+def refuse_dispatch_modes(action: str) -> None:
+    """Refuse to build or run compiled code under a torch dispatch mode (FakeTensorMode, ...).
+
+    Under such a mode every tensor the runtime creates or touches goes
+    through the mode (fake or meta tensors without real memory), while the
+    compiled code reads and writes raw addresses.
+    """
+    import torch
+
+    count = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    if count is None or not count():
+        return
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    mode = _get_current_dispatch_mode()
+    raise LayerError(f"{action} while the torch dispatch mode {type(mode).__name__ if mode else '(unknown)'} is "
+                     "active: compiled code reads and writes real memory, which tensors under such a mode (e.g. "
+                     "FakeTensorMode) do not have; call it outside FakeTensorMode (or any other dispatch mode)")
+
+
 def check_disjoint(tensors: Iterable[tuple[str, Any, bool]]) -> None:
     """Tensors compiled code writes (flag True) must not share bytes with any other handed-over tensor."""
     items = [(name, byte_range(t), written) for name, t, written in tensors if t.numel()]
@@ -71,13 +91,24 @@ def check_disjoint(tensors: Iterable[tuple[str, Any, bool]]) -> None:
 class Snapshot:
     """What compiled code was given: address, shape, strides, dtype and storage size of each tensor.
 
-    It keeps a reference to every tensor (so their storage stays alive) and
-    ``verify()`` raises, naming the tensor, if any of them changed since.
-    Cost: a few attribute reads per tensor, once per compiled run.
+    It keeps a reference to every tensor and to the storage each one had
+    when handed over (``untyped_storage()``), for as long as the snapshot
+    (the compiled runtime) lives. So a tensor whose storage is swapped out
+    (``set_``) by another thread while a run is in flight keeps the old
+    memory alive: the run finishes in memory nobody else owns, and the next
+    ``verify()`` raises, naming the tensor. Cost: a few attribute reads per
+    tensor, once per compiled run.
+
+    Not defensible: resizing a storage in place (``untyped_storage().resize_``
+    or ``resize_`` that grows a tensor) concurrently with a run reallocates
+    the very memory the run is using; the next ``verify()`` reports it, but
+    the run in flight may already have touched freed memory. Do not mutate
+    handed-over tensors from another thread while the kernel runs.
     """
 
     def __init__(self, named: Iterable[tuple[str, Any]]) -> None:
         self.entries = [(name, t, self._state(t)) for name, t in named]
+        self.storages = [t.untyped_storage() for _, t, _ in self.entries]  # keeps the handed-over memory alive
 
     @staticmethod
     def _state(t: Any) -> tuple[Any, ...]:

@@ -14,13 +14,14 @@ its key/value go to cache position ``step[b]``, attention covers positions
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 from yirage.backend.base import checked_device_info
 from yirage.errors import NotSupportedError
-from yirage.persistent.guard import Snapshot, check_disjoint, check_tensor
+from yirage.locks import ForkSafeRLock
+from yirage.persistent import shutdown  # noqa: F401 - registers the exit hook before any decode runs
+from yirage.persistent.guard import Snapshot, check_disjoint, check_tensor, refuse_dispatch_modes
 from yirage.persistent.layers import Layer, LayerError, PKTensor, require, split_ok
 from yirage.persistent.task_graph import TaskGraph, build_task_graph
 
@@ -39,6 +40,8 @@ class PersistentKernel:
 
     Thread-safe: ``compile()`` and calls hold a per-kernel lock, so concurrent
     callers are serialized (they share the meta tensors and caches anyway).
+    The lock is fork-safe: a child forked while another thread was inside a
+    call gets a fresh lock instead of one that is never released.
     """
 
     def __init__(
@@ -83,7 +86,7 @@ class PersistentKernel:
         for what, t in (("meta_tensors[0] (step)", step), ("meta_tensors[1] (tokens)", tokens)):
             check_tensor(t, what, self._device_type, written=True)
         check_disjoint([("step", step, True), ("tokens", tokens, True)])
-        self._lock = threading.RLock()
+        self._lock = ForkSafeRLock()  # a child forked mid-call must not inherit it held
         self._snapshot: Snapshot | None = None
         self.batch = int(tokens.shape[0])
         self.max_seq_length = int(max_seq_length)
@@ -217,6 +220,13 @@ class PersistentKernel:
             raise NotSupportedError(f"{name}: q_norm/k_norm (Qwen3-style) are not supported yet; pass None")
         x = self._own(name, "input", input)
         kc, vc = self._own(name, "k_cache", k_cache), self._own(name, "v_cache", v_cache)
+        require(kc is not vc, name, f"k_cache and v_cache are the same tensor {kc.name!r}; decoding writes both, "
+                                    "so keys would overwrite values: attach a separate buffer for each")
+        for other in (lay for lay in self.layers if lay.kind == "attention"):
+            for role in ("k_cache", "v_cache"):
+                require(other.inputs[role] not in (kc, vc), name,
+                        f"{other.inputs[role].name!r} is already the {role} of {other}; every attention layer "
+                        "writes its caches, so give each layer its own k_cache and v_cache")
         require(cos_pos_embed is not None and sin_pos_embed is not None, name, "cos_pos_embed and sin_pos_embed "
                                                                               "are required (RoPE)")
         cos, sin = self._own(name, "cos_pos_embed", cos_pos_embed), self._own(name, "sin_pos_embed", sin_pos_embed)
@@ -288,6 +298,7 @@ class PersistentKernel:
 
     # -- compile and run ---------------------------------------------------------------
     def compile(self) -> PersistentKernel:
+        refuse_dispatch_modes("PersistentKernel.compile() was called")
         with self._lock:
             if not self.layers or self.layers[-1].kind not in ("argmax", "sample"):
                 raise LayerError("the last layer must be argmax_layer or sampling_layer: it picks the next token")
@@ -312,16 +323,24 @@ class PersistentKernel:
                     "(lm_head rows = embed rows = vocab_size)")
 
     def _check_memory(self) -> None:
-        """Tensors that decoding writes (meta tensors, KV caches) must not alias anything else handed over."""
+        """Tensors that decoding writes (meta tensors, KV caches) must not alias anything else handed over.
+
+        Read-only sharing is fine (one tensor attached under two names, e.g.
+        tied embeddings); a written tensor must have exactly one use: one
+        name, one role in one layer, and no bytes in common with any other.
+        """
         written = {"tokens"} | {layer.inputs[r].name for layer in self.layers if layer.kind == "attention"
                                 for r in ("k_cache", "v_cache")}
         for name in written - {"tokens"}:
+            uses = [f"{role} of {layer}" for layer in self.layers for role, t in layer.inputs.items()
+                    if t.name == name]
+            if len(uses) > 1:
+                raise LayerError(f"KV cache {name!r} is used {len(uses)} times ({'; '.join(uses)}), but decoding "
+                                 "writes it: give every use its own buffer")
+        for name in written - {"tokens"}:
             check_tensor(self.torch_tensors[name], f"KV cache {name!r}", self._device_type, written=True)
-        seen: dict[int, str] = {}
         items = [("step", self.step, True)]
-        for name, t in self.torch_tensors.items():
-            if seen.setdefault(id(t), name) == name:  # one tensor attached under two names is read-only sharing
-                items.append((name, t, name in written))
+        items += [(name, t, name in written) for name, t in self.torch_tensors.items()]
         check_disjoint(items)
 
     def _config(self) -> dict[str, int]:
@@ -358,6 +377,7 @@ class PersistentKernel:
         if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
                                            or max_new_tokens < 0):
             raise LayerError(f"max_new_tokens must be an int >= 0 or None, got {max_new_tokens!r}")
+        refuse_dispatch_modes("a PersistentKernel was called")
         with self._lock:
             if self.runtime is None:
                 self.compile()

@@ -24,7 +24,7 @@ class ReferenceRuntime:
         for t in pk.tensors.values():
             if not t.attached:
                 dtype = torch.int64 if t.dtype.startswith("int") else torch.float32
-                self.values[t.name] = torch.zeros(t.dims, dtype=dtype)
+                self.values[t.name] = torch.zeros(t.dims, dtype=dtype, device=pk.tokens.device)  # not ambient
         self.order = self.graph.topological_order()
         self.generator = torch.Generator()
         self.steps_run = 0

@@ -11,8 +11,9 @@ steps, one serial section appends the picked token and advances ``step``.
 
 ``flags`` (int64[4]) lets the run stop early: ``flags[STOP]`` is checked by
 every thread between tasks and by the loop between steps (Ctrl-C sets it
-from Python; a task that finds bad input sets it too, with an error code in
-``flags[ERROR]`` that ``run()`` turns into an exception). A stopped step is
+from Python, for a non-main thread through yirage.persistent.shutdown; a
+task that finds bad input sets it too, with an error code in ``flags[ERROR]``
+that ``run()`` turns into an exception). A stopped step is
 not committed: ``tokens``/``step`` hold exactly the steps completed.
 """
 
@@ -29,9 +30,10 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from yirage.persistent.guard import Snapshot
+from yirage.persistent import shutdown
+from yirage.persistent.guard import Snapshot, check_tensor
 from yirage_backend_cpu.atomics import atomic_add, atomic_load, atomic_store, cycle_counter
-from yirage_backend_cpu.kernel_lib import fexp
+from yirage_backend_cpu.kernel_lib import fsilu, rfma
 from yirage_backend_cpu.pk_tasks import (
     BF16,
     F16,
@@ -46,6 +48,7 @@ from yirage_backend_cpu.pk_tasks import (
     load,
     sample_row,
 )
+from yirage_backend_cpu.sources import tie_caches_to_sources
 from yirage_backend_cpu.threads import check_fork, serialized
 
 EMBED, RMSLIN, ATTN, LINRES, SILURES, ARGMAX, SAMPLE = range(7)
@@ -109,7 +112,7 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
             ss = np.float32(0)
             for i in range(k):
                 v = x[b * k + i]
-                ss += v * v
+                ss = rfma(ss, v, v)
             inv = np.float32(1.0) / math.sqrt(ss / np.float32(k) + np.float32(eps))
             for i in range(k):
                 xs[b * k + i] = x[b * k + i] * inv * g[i]
@@ -126,7 +129,7 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
         for b in range(batch):
             for i in range(k):
                 a = gu[b * 2 * k + i]
-                xs[b * k + i] = a / (np.float32(1.0) + fexp(-a)) * gu[b * 2 * k + k + i]
+                xs[b * k + i] = fsilu(a) * gu[b * 2 * k + k + i]
         linear(xs, batch, k, addr[lp[layer, 3]], tdt[lp[layer, 3]], n0, n0 + cols, out, n, res, none)
     else:  # ATTN
         kv_heads, group, d, seq = lp[layer, 10], lp[layer, 11], lp[layer, 12], lp[layer, 13]
@@ -288,10 +291,13 @@ class CPUPersistentRuntime:
                 value = pk.torch_tensors[name]
                 if value.dim() == 1 and value.dtype != torch.float32:
                     value = value.float()  # norms and biases: tiny, read once per task
-            else:
-                value = torch.zeros(t.dims, dtype=torch.int64 if t.dtype.startswith("int") else torch.float32)
+            else:  # device="cpu": an ambient torch.device("meta") context must not move the kernel's memory
+                value = torch.zeros(t.dims, dtype=torch.int64 if t.dtype.startswith("int") else torch.float32,
+                                    device="cpu")
             if str(value.dtype).removeprefix("torch.") not in DTYPES:
                 raise NotSupportedError(f"tensor {name!r} has dtype {value.dtype}, which the CPU runtime cannot read")
+            if value is not pk.torch_tensors.get(name):  # made here: the same checks as the user's tensors
+                check_tensor(value, f"the CPU runtime's buffer for {name!r}", "cpu", written=not t.attached)
             self.keep.append(value)
             addr.append(value.data_ptr())
             tdt.append(DTYPES[str(value.dtype).removeprefix("torch.")])
@@ -356,6 +362,10 @@ class CPUPersistentRuntime:
     def value(self, name: str) -> Any:
         return self.values[name]
 
+    def stop(self) -> None:
+        """Ask the decode in flight to stop between tasks (committed steps stay in tokens/step)."""
+        self.flags[STOP] = 1
+
     def effective(self) -> tuple[int, int, int]:
         """(threads, workers, schedulers) actually run: one thread each, capped at numba's threads.
 
@@ -387,12 +397,13 @@ class CPUPersistentRuntime:
                 np.array(pk.eos_token_ids or [-1], np.int64), pk.max_seq_length, pk.batch, tokens_id, tok_cols,
                 step_id, pick_id, self.scratch, self.scr, profile, self.steps_run, self.flags)
         check_fork()
-        with serialized():  # one launch at a time only on a threading layer that needs it
+        # registered while in flight: if the main thread dies (Ctrl-C), the exit hook stops this decode
+        with shutdown.decoding(self), serialized():  # serialized: only on a threading layer that needs it
             wall = time.perf_counter_ns()
             cycles = _cycles()
             if threading.current_thread() is threading.main_thread():
                 steps = _decode_interruptibly(threads, args, self.flags)
-            else:  # signals reach only the main thread: nothing to watch for here
+            else:  # signals reach only the main thread: Ctrl-C there reaches this run through the exit hook
                 steps = _decode_with_threads(threads, args)
         ns_per_cycle = (time.perf_counter_ns() - wall) / max(1, _cycles() - cycles)
         if self.flags[ERROR] == ERR_TOKEN:
@@ -402,6 +413,8 @@ class CPUPersistentRuntime:
             raise LayerError(f"tokens[{row}, step[{row}]] = {tok} is not a row of the embed table; decoding stopped "
                              "before reading it (tokens/step hold the steps completed). Keep token ids within the "
                              "embed table (the picker's logits must not be wider than it)")
+        if self.flags[STOP]:
+            shutdown.check_not_stopped()  # stopped by the exit hook: an incomplete result is an error
         if profile.shape[0]:
             starts = profile[0::3]
             origin = int(starts[starts > 0].min()) if (starts > 0).any() else 0
@@ -493,3 +506,6 @@ def _decode_interruptibly(threads: int, args: tuple[Any, ...], flags: np.ndarray
 @njit(cache=True)
 def _cycles():  # type: ignore[no-untyped-def]
     return cycle_counter()
+
+
+tie_caches_to_sources(globals())  # after every cached function above is defined
