@@ -234,24 +234,20 @@ class PluginSet:
         try:
             module = timed_import(ep.load, ep.module, self.time_limit)
         except ImportTimeout as exc:
-            message = (
-                f"plugin {ep.name!r} from distribution {dist_name} {dist_version} (module {ep.module}) "
-                f"was skipped: its {exc}; {_timeout_advice(self.time_limit)}"
-            )
-            logger.warning("%s", message)
-            record = PluginRecord(ep.name, ep.value, dist_name, dist_version, "failed", message)
-            self.records.append(record)
-            return record
+            message = (f"plugin {ep.name!r} from distribution {dist_name} {dist_version} (module {ep.module}) "
+                       f"was skipped: its {exc}; {_timeout_advice(self.time_limit)}")
+            return self._failed(ep, dist_name, dist_version, message)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a crashing plugin is reported and skipped
-            message = (
-                f"plugin {ep.name!r} from distribution {dist_name} {dist_version} "
-                f"failed to import: {type(exc).__name__}: {exc}"
-            )
-            logger.warning("%s", message)
-            record = PluginRecord(ep.name, ep.value, dist_name, dist_version, "failed", message)
-            self.records.append(record)
-            return record
+            message = (f"plugin {ep.name!r} from distribution {dist_name} {dist_version} "
+                       f"failed to import: {type(exc).__name__}: {exc}")
+            return self._failed(ep, dist_name, dist_version, message)
         return self.add(module, ep.name, dist_name, dist_version)
+
+    def _failed(self, ep: metadata.EntryPoint, dist_name: str, dist_version: str, message: str) -> PluginRecord:
+        logger.warning("%s", message)
+        record = PluginRecord(ep.name, ep.value, dist_name, dist_version, "failed", message)
+        self.records.append(record)
+        return record
 
     def load_module_path(self, path: str, known: list[str]) -> PluginRecord:
         if any(r.module == path and r.status == "loaded" for r in self.records):
