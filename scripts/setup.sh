@@ -18,7 +18,7 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" --no-build-isolation \
     -e ".[test,llm]" \
-    -e backends/cpu \
+    -e "backends/cpu[tbb]" \
     -e "backends/opencl[pocl]" \
     -e backends/cuda \
     -e backends/mps \

@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -162,16 +163,22 @@ print("child exit", os.waitstatus_to_exitcode(status))
 """
 
 
-def test_fork_after_running_parallel_kernels_keeps_the_child_working(tmp_path) -> None:
-    out = python(FORK, tmp_path)
+def test_fork_on_the_tbb_layer_keeps_the_child_working(tmp_path) -> None:
+    try:
+        metadata.distribution("tbb")
+    except metadata.PackageNotFoundError:
+        pytest.skip("the tbb wheel is not installed: pip install 'yirage-backend-cpu[tbb]'")
+    out = python(FORK, tmp_path, NUMBA_THREADING_LAYER="tbb")
     assert out.returncode == 0, out.stderr
     assert "parent True" in out.stdout
     assert "child True" in out.stdout, out.stdout + out.stderr
     assert "child exit 0" in out.stdout
 
 
-def test_fork_under_openmp_gives_the_child_a_clear_error(tmp_path) -> None:
-    out = python(FORK, tmp_path, NUMBA_THREADING_LAYER="omp")
+@pytest.mark.parametrize("layer", [None, "omp"])
+def test_fork_under_openmp_gives_the_child_a_clear_error(tmp_path, layer) -> None:
+    """OpenMP is the default layer (fast beside torch); numba would kill the child, yirage says why instead."""
+    out = python(FORK, tmp_path, **({"NUMBA_THREADING_LAYER": layer} if layer else {}))
     assert out.returncode == 0, out.stderr
     assert "parent True" in out.stdout
     assert "child raised ForkError" in out.stdout, out.stdout + out.stderr

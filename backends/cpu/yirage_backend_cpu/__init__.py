@@ -21,7 +21,7 @@ class CPUBackend(yirage.Backend):
     vendor = "host"
     torch_device = "cpu"
     device_kind = "cpu"
-    description = "numba-generated kernels (parallel=True on the TBB threading layer) on the host CPU"
+    description = "numba-generated kernels (parallel=True, OpenMP threading layer) on the host CPU"
 
     def probe(self) -> yirage.Availability:
         if not module_installed("numba"):

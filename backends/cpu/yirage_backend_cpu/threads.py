@@ -1,16 +1,18 @@
-"""numba's threading layer: pick one that survives fork() and concurrent callers.
+"""numba's threading layer: fast beside torch, and safe after fork() and across threads.
 
-numba's GNU OpenMP layer kills a forked child (SIGTERM, "fork() called from
-a process already using GNU OpenMP") the moment the child launches a parallel
-kernel, as a multiprocessing DataLoader worker does. Its TBB layer is both
-fork-safe and thread-safe, and measured as fast here (W1-W4, see the issue-7
-note), so the CPU backend depends on the ``tbb`` wheel and makes it loadable:
-the wheel puts ``libtbb.so.12`` in ``<prefix>/lib``, which the dynamic loader
-does not search in a virtualenv, so it is preloaded by path before numba
-chooses a layer. A user's own ``NUMBA_THREADING_LAYER`` is respected; if it
-is OpenMP, a forked child gets a clear error instead of being killed, and
-with the workqueue layer (neither fork- nor thread-safe) launches are
-serialized.
+OpenMP is the default, on purpose: torch's own threads are GNU OpenMP, and
+numba's OpenMP layer shares that thread pool, while TBB competes with
+torch's spinning threads. Measured on W1 B=8 and W2 with yirage calls
+interleaved with torch calls (the issue-7 note): TBB 0.45-0.69x of
+OpenMP's speed; alone they tie. GNU OpenMP cannot run in a child forked
+after the parent ran parallel kernels (numba kills that child with
+SIGTERM), so such a child gets a clear ``ForkError`` instead, naming the
+fixes: the 'spawn'/'forkserver' start methods, or the TBB layer
+(``pip install yirage-backend-cpu[tbb]`` and ``NUMBA_THREADING_LAYER=tbb``),
+which is fork-safe. The tbb wheel puts ``libtbb.so.12`` in ``<prefix>/lib``,
+which the dynamic loader does not search in a virtualenv, so it is
+preloaded by path when TBB is asked for. With the workqueue layer (neither
+fork- nor thread-safe) launches are serialized.
 """
 
 from __future__ import annotations
@@ -39,16 +41,18 @@ _serial_lock = ForkSafeRLock()  # a child forked mid-launch must not inherit it 
 
 @functools.cache
 def prepare() -> str:
-    """Make TBB loadable (once, before numba launches a thread pool); return the layer numba is set to use."""
+    """Choose the layer (once, before numba launches a thread pool); return the one numba is set to use."""
     import numba
 
     wanted = str(numba.config.THREADING_LAYER)
-    if wanted in ("default", "safe", "threadsafe", "forksafe", "tbb") and _preload_tbb():
-        wanted = "tbb"
+    if wanted == "default" and not os.environ.get("NUMBA_THREADING_LAYER_PRIORITY"):
+        numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]  # see the module docstring
+    if wanted in ("tbb", "safe", "forksafe", "threadsafe"):
+        _preload_tbb()
     _state["serial"] = wanted == "workqueue"
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_after_fork_in_child)
-    return wanted
+    return "omp" if wanted == "default" else wanted
 
 
 def _preload_tbb() -> bool:
@@ -97,8 +101,8 @@ def check_fork() -> None:
             f"this process was forked from one that had run parallel numba kernels with the {layer!r} threading "
             "layer, which cannot run again after fork() (numba would kill this process). Use the 'spawn' or "
             "'forkserver' start method (multiprocessing.set_start_method('spawn'), or DataLoader("
-            "multiprocessing_context='spawn')), or let yirage use TBB: pip install tbb and leave "
-            "NUMBA_THREADING_LAYER unset")
+            "multiprocessing_context='spawn')), or the fork-safe TBB layer: pip install "
+            "'yirage-backend-cpu[tbb]' and set NUMBA_THREADING_LAYER=tbb")
 
 
 def guard(run: Callable[[Any], list[Any]]) -> Callable[[Any], list[Any]]:
