@@ -236,16 +236,17 @@ class PluginSet:
         except ImportTimeout as exc:
             message = (f"plugin {ep.name!r} from distribution {dist_name} {dist_version} (module {ep.module}) "
                        f"was skipped: its {exc}; {_timeout_advice(self.time_limit)}")
-            return self._failed(ep, dist_name, dist_version, message)
+            return self._failed(ep.name, ep.value, dist_name, dist_version, message)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a crashing plugin is reported and skipped
             message = (f"plugin {ep.name!r} from distribution {dist_name} {dist_version} "
                        f"failed to import: {type(exc).__name__}: {exc}")
-            return self._failed(ep, dist_name, dist_version, message)
+            return self._failed(ep.name, ep.value, dist_name, dist_version, message)
         return self.add(module, ep.name, dist_name, dist_version)
 
-    def _failed(self, ep: metadata.EntryPoint, dist_name: str, dist_version: str, message: str) -> PluginRecord:
+    def _failed(self, name: str, value: str, dist_name: str, dist_version: str, message: str) -> PluginRecord:
+        """Report a plugin that could not be loaded; the others still load."""
         logger.warning("%s", message)
-        record = PluginRecord(ep.name, ep.value, dist_name, dist_version, "failed", message)
+        record = PluginRecord(name, value, dist_name, dist_version, "failed", message)
         self.records.append(record)
         return record
 
@@ -261,10 +262,7 @@ class PluginSet:
                 f"plugin module {path!r} named in YIRAGE_PLUGINS was skipped: its {exc}; "
                 f"{_timeout_advice(self.time_limit)}"
             )
-            logger.warning("%s", message)
-            record = PluginRecord(path, path, "?", "?", "failed", message)
-            self.records.append(record)
-            return record
+            return self._failed(path, path, "?", "?", message)
         except ModuleNotFoundError as exc:
             if exc.name != path.split(".")[0] and exc.name != path:
                 message = f"plugin module {path!r} named in YIRAGE_PLUGINS failed to import: ModuleNotFoundError: {exc}"
@@ -273,16 +271,10 @@ class PluginSet:
                     f"YIRAGE_PLUGINS names {path!r}, which matches no installed plugin and no importable "
                     f"module; installed plugins: {', '.join(known) or 'none'}"
                 )
-            logger.warning("%s", message)
-            record = PluginRecord(path, path, "?", "?", "failed", message)
-            self.records.append(record)
-            return record
+            return self._failed(path, path, "?", "?", message)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - same policy as for entry points
             message = f"plugin module {path!r} named in YIRAGE_PLUGINS failed to import: {type(exc).__name__}: {exc}"
-            logger.warning("%s", message)
-            record = PluginRecord(path, path, "?", "?", "failed", message)
-            self.records.append(record)
-            return record
+            return self._failed(path, path, "?", "?", message)
         return self.add(module, path, "(YIRAGE_PLUGINS)", "")
 
     def exclude(self, ep: metadata.EntryPoint, why: str) -> None:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import yirage as yr
-from yirage.testing.oracle import assert_matches_reference, random_inputs
+from yirage.testing.oracle import UNARY, assert_matches_reference, random_inputs
 from yirage.testing.plugin import random_graph_examples
 
 FLOATS = ["float32", "float16", "bfloat16", "float64"]
@@ -27,15 +27,6 @@ def _need(dtypes: frozenset[str], dtype: str) -> None:
         pytest.skip(f"the backend does not claim {dtype}")
 
 
-UNARY = {
-    "exp": lambda g, x: g.exp(x),
-    "silu": lambda g, x: g.silu(x),
-    "gelu": lambda g, x: g.gelu(x),
-    "relu": lambda g, x: g.relu(x),
-    "square": lambda g, x: g.square(x),
-    "clamp": lambda g, x: g.clamp(x, -0.5, 0.75),
-    "clamp_min": lambda g, x: g.clamp(x, min_val=0.1),
-}
 
 
 @pytest.mark.parametrize("dtype", FLOATS)

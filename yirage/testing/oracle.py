@@ -91,3 +91,15 @@ def assert_same_floats(got: Any, want: Any, rtol: float, atol: float, scale: Any
     shown = ", ".join(f"[{int(i)}] got {g[i].item()!r} want {w[i].item()!r}" for i in bad[:8])
     raise AssertionError(f"{what}: {bad.numel()} of {g.numel()} elements differ from torch "
                          f"(rtol {rtol}, atol {atol}, flat index): {shown}")
+
+
+#: The unary ops every backend is held to, each as ``(graph, input) -> output`` (shared by the kit's cases).
+UNARY = {
+    "exp": lambda g, x: g.exp(x),
+    "silu": lambda g, x: g.silu(x),
+    "gelu": lambda g, x: g.gelu(x),
+    "relu": lambda g, x: g.relu(x),
+    "square": lambda g, x: g.square(x),
+    "clamp": lambda g, x: g.clamp(x, -0.5, 0.75),
+    "clamp_min": lambda g, x: g.clamp(x, min_val=0.1),
+}
