@@ -38,6 +38,7 @@ class GenerationConfig:
     top_p: float = 1.0
     eos_token_id: int | tuple[int, ...] | None = None  # None: the model's; () : never stop early
     seed: int = 0
+    output_logits: bool = False  # keep every step's logits in GenerationResult.logits (decodes step by step)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -50,6 +51,8 @@ class GenerationConfig:
             raise ValueError(f"top_p must be a number in (0, 1] (1: no nucleus filter), got {self.top_p!r}")
         if not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}; reduce it, e.g. seed % 2**32")
+        if not isinstance(self.output_logits, bool):
+            raise ValueError(f"output_logits must be True or False, got {self.output_logits!r}")
         eos = self.eos_token_id
         if eos is not None:
             ids = (eos,) if _is_int(eos) else tuple(eos) if isinstance(eos, (tuple, list)) else None
@@ -69,6 +72,7 @@ class GenerationResult:
     backend: str
     timings: dict[str, float] = field(default_factory=dict)
     text: list[str] | None = None  # decoded with the model's tokenizer, when it has one
+    logits: Any = None  # (B, n, vocab) float32 with output_logits: the scores each token was picked from
 
 
 class InferEngine:
@@ -240,7 +244,15 @@ class InferEngine:
             self._decoders[key] = decoder
         compile_s = time.perf_counter() - compile_start
         decode_start = time.perf_counter()
-        steps = decoder(config.max_new_tokens - 1)
+        if config.output_logits:  # one step per call, reading the logits each step was picked from
+            scores = [logits.float()]
+            steps = 0
+            while steps < config.max_new_tokens - 1 and decoder(1):
+                steps += 1
+                scores.append(decoder.read("logits").float())
+            all_logits = torch.stack(scores, dim=1)
+        else:
+            steps, all_logits = decoder(config.max_new_tokens - 1), None
         decode_s = time.perf_counter() - decode_start
         generated = self._tokens[:, prompt:prompt + 1 + steps].clone()
         pad = eos_ids[0] if eos_ids else 0
@@ -258,7 +270,7 @@ class InferEngine:
             tokens=generated, lengths=lengths, text=text, ttft_ms=ttft * 1e3,
             ms_per_token=per_token * 1e3 if per_token else None,
             tokens_per_s=batch / per_token if per_token else None, backend=self.backend.name,
-            timings={"compile_s": compile_s, "decode_s": decode_s, "steps": steps},
+            timings={"compile_s": compile_s, "decode_s": decode_s, "steps": steps}, logits=all_logits,
         )
 
 

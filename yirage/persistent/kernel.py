@@ -386,6 +386,19 @@ class PersistentKernel:
             self.check_meta()
             return int(self.runtime.run(max_new_tokens))
 
+    def read(self, name: str) -> Any:
+        """A copy of a tensor of the last run (e.g. ``"logits"``), for tests and debugging.
+
+        Copied under the kernel's lock, so a later run cannot change it.
+        """
+        with self._lock:
+            if self.runtime is None:
+                raise LayerError("read() needs a compiled kernel that has run: call compile() and the kernel first")
+            if name not in self.tensors:
+                raise LayerError(f"{name!r} is not a tensor of this PersistentKernel; it has "
+                                 f"{', '.join(sorted(self.tensors))}")
+            return self.runtime.value(name).clone()
+
     def __str__(self) -> str:
         graph = self.task_graph.summary() if self.task_graph else "(not compiled)"
         return f"PersistentKernel on {self.backend.name}, batch {self.batch}\n{graph}"
