@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -88,3 +88,62 @@ def isolated_selection(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Re
     yield use
     selection.read_environment()
     monkeypatch.setattr(selection, "_current", None)
+
+
+# -- what this machine offers, computed from the probes (tests never hard-code one machine) ---------------
+
+
+def auto_pick(candidates: Iterable[tuple[str, int]]) -> str:
+    """The documented auto policy applied to (name, priority) pairs: highest priority, ties by name.
+
+    Written out here, apart from the selection code, so tests compute what ``auto`` must pick on any
+    machine from the probes' answers instead of asserting this machine's answer ("cpu").
+    """
+    ranked = sorted(candidates, key=lambda c: (-c[1], c[0]))
+    if not ranked:
+        pytest.skip("no backend here is both available and eligible for auto")
+    return ranked[0][0]
+
+
+def auto_candidates(reg: Registry) -> list[tuple[str, int]]:
+    """(name, priority) of every backend whose probe says it is available and eligible for auto."""
+    return [(b.name, b.priority) for b in reg.backends() if b.availability().ok and b.availability().auto]
+
+
+def expected_auto(reg: Registry) -> str:
+    """What ``set_backend('auto')`` must choose among ``reg``'s backends on this machine."""
+    return auto_pick(auto_candidates(reg))
+
+
+def unavailable_backend(reg: Registry, prefer: str = "cuda") -> str:
+    """A registered backend whose probe says it cannot run here (``prefer`` if so), or skip the test."""
+    names = [b.name for b in reg.backends() if not b.availability().ok]
+    if not names:
+        pytest.skip("every registered backend is available on this machine: nothing unavailable to select")
+    return prefer if prefer in names else names[0]
+
+
+def numba_installed() -> bool:
+    """Whether the cpu backend's only requirement is met, asked of importlib, not of yirage."""
+    import importlib.util
+
+    return importlib.util.find_spec("numba") is not None
+
+
+def opencl_device_count() -> int:
+    """OpenCL devices pyopencl itself reports (0 without pyopencl or an ICD such as PoCL), not asked of yirage."""
+    try:
+        import pyopencl as cl
+    except ImportError:
+        return 0
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error:
+        return 0
+    count = 0
+    for platform in platforms:
+        try:
+            count += len(platform.get_devices())
+        except cl.Error:
+            continue  # a platform without devices
+    return count

@@ -1,6 +1,8 @@
 """The built-in backends probe and describe this machine truthfully.
 
-Oracles: pyopencl and psutil asked directly, and the platform itself.
+Oracles: pyopencl and psutil asked directly, and the platform itself. Tests that need an
+OpenCL device skip with the reason when there is none (no PoCL or GPU driver), and the
+not-available messages are checked only where the platform says the device is missing.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import pytest
 
 from yirage import system
 from yirage.backend.registry import Registry
+from yirage.errors import BackendUnavailableError
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +55,21 @@ def test_cpu_caches_are_read_from_sysfs() -> None:
 
 
 def _opencl_devices():
-    cl = pytest.importorskip("pyopencl")
+    """pyopencl and every device it reports, or skip: without an ICD (PoCL, a GPU driver) there is nothing to check."""
+    cl = pytest.importorskip("pyopencl", reason="pyopencl is not installed")
     try:
-        return cl, [d for p in cl.get_platforms() for d in p.get_devices()]
+        platforms = cl.get_platforms()
     except cl.Error as exc:
-        pytest.skip(f"no OpenCL platform: {exc}")
+        pytest.skip(f"no OpenCL platform (install PoCL: pip install pocl-binary-distribution): {exc}")
+    devices = []
+    for p in platforms:
+        try:
+            devices.extend(p.get_devices())
+        except cl.Error:
+            continue  # a platform without devices, as the backend treats it
+    if not devices:
+        pytest.skip(f"OpenCL platforms ({', '.join(p.name for p in platforms)}) expose no device")
+    return cl, devices
 
 
 def test_opencl_describes_the_device_pyopencl_reports(reg) -> None:
@@ -103,7 +116,7 @@ def test_every_backend_answers_with_a_sentence(reg) -> None:
         avail = backend.availability()
         assert len(avail.reason) > 10, backend.name
         if not avail.ok:
-            with pytest.raises(Exception, match=backend.name):
+            with pytest.raises(BackendUnavailableError, match=f"backend {backend.name!r} is unavailable"):
                 backend.require_available()
 
 
@@ -156,7 +169,7 @@ def _fake_devices(devices):
 def test_opencl_gpu_is_eligible_for_auto(reg, monkeypatch) -> None:
     import yirage_backend_opencl as ocl
 
-    cl, _ = _opencl_devices()
+    cl = pytest.importorskip("pyopencl", reason="pyopencl is not installed")  # the devices are faked: no ICD needed
     gpu = _FakeDevice(cl, "GPU", "Fake RX 9000")
     monkeypatch.setattr(ocl, "_devices", _fake_devices([gpu, _FakeDevice(cl, "CPU", "host")]))
     backend = ocl.OpenCLBackend()

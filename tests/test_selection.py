@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 import yirage as yr
-from tests.conftest import fake_backends_source
+from tests.conftest import auto_candidates, auto_pick, expected_auto, fake_backends_source, unavailable_backend
 from yirage.backend.registry import Registry
 
 
@@ -168,12 +168,14 @@ def test_backend_info_of_an_unavailable_backend_gives_the_reason_only(fake_world
     info = yr.get_backend_info("big")
     assert info["available"] is False and info["reason"] == "no big device"
     assert info["device"] is None and info["memory"] is None
-    with pytest.raises(yr.UnknownBackendError):
+    with pytest.raises(yr.UnknownBackendError, match="'nothing'"):
         yr.get_backend_info("nothing")
 
 
 def test_real_backend_info_reports_measured_host_facts(isolated_selection) -> None:
     isolated_selection(Registry(environ={}))
+    if not yr.is_backend_available("cpu"):
+        pytest.skip(f"the cpu backend is unavailable here: {yr.get_backend_info('cpu')['reason']}")
     info = yr.get_backend_info("cpu")
     assert info["available"] and info["plugin"]["distribution"] == "yirage-backend-cpu"
     assert info["device"]["compute_units"] == psutil.cpu_count(logical=False)
@@ -183,11 +185,28 @@ def test_real_backend_info_reports_measured_host_facts(isolated_selection) -> No
 
 
 def test_get_memory_info_of_an_unavailable_backend_raises(isolated_selection) -> None:
-    isolated_selection(Registry(environ={}))
-    if yr.is_backend_available("mps"):
-        pytest.skip("MPS is available on this machine")
-    with pytest.raises(yr.BackendUnavailableError, match="mps"):
-        yr.get_memory_info("mps")
+    reg = Registry(environ={})
+    isolated_selection(reg)
+    name = unavailable_backend(reg, prefer="mps")
+    with pytest.raises(yr.BackendUnavailableError, match=f"backend {name!r} is unavailable"):
+        yr.get_memory_info(name)
+
+
+def test_auto_on_the_real_backends_picks_what_the_probes_say(isolated_selection) -> None:
+    reg = Registry(environ={})
+    isolated_selection(reg)
+    assert yr.set_backend("auto") == expected_auto(reg)
+
+
+@pytest.mark.parametrize(("specs", "want"), [
+    (['_make("big", 100, ok=False)', '_make("mid", 60)', '_make("low", 30)'], "mid"),
+    (['_make("hostcl", 60, auto=False, kind="cpu")', '_make("hostcpu", 20, kind="cpu")'], "hostcpu"),
+    (['_make("zeta", 50)', '_make("alpha", 50)'], "alpha"),
+])
+def test_the_tests_auto_oracle_follows_the_documented_policy(fake_world, specs, want) -> None:
+    """The machine-neutral tests compute auto's pick with tests.conftest.auto_pick: it must agree with set_backend."""
+    reg = fake_world(*specs)
+    assert auto_pick(auto_candidates(reg)) == want == yr.set_backend("auto")
 
 
 def test_unknown_names_list_the_available_alternatives_first(fake_world) -> None:
@@ -233,8 +252,9 @@ def test_a_failing_device_query_is_reported_not_raised(fake_world) -> None:
 
 
 def test_auto_warning_names_plugins_the_switches_kept_out(isolated_selection, caplog) -> None:
-    isolated_selection(Registry(environ={"YIRAGE_DISABLE_PLUGIN_AUTOLOAD": "1", "YIRAGE_PLUGINS": "cpu"}))
+    reg = Registry(environ={"YIRAGE_DISABLE_PLUGIN_AUTOLOAD": "1", "YIRAGE_PLUGINS": "cpu"})
+    isolated_selection(reg)
     with caplog.at_level(logging.WARNING, logger="yirage"):
-        assert yr.set_backend("auto") == "cpu"
+        assert yr.set_backend("auto") == expected_auto(reg)  # cpu, or reference where numba is missing
     message = next(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "not loaded" in message and "cuda" in message
