@@ -7,6 +7,15 @@ Plugin authors run the shared cases against their backend with::
 
 from __future__ import annotations
 
-from yirage.testing.oracle import TOLERANCE, assert_matches_reference, assert_same_floats, random_inputs
+from yirage.testing.oracle import (
+    DTYPE_TOLERANCE,
+    TOLERANCE,
+    assert_close,
+    assert_matches_reference,
+    assert_matches_torch,
+    assert_same_floats,
+    random_inputs,
+)
 
-__all__ = ["TOLERANCE", "assert_matches_reference", "assert_same_floats", "random_inputs"]
+__all__ = ["DTYPE_TOLERANCE", "TOLERANCE", "assert_close", "assert_matches_reference", "assert_matches_torch",
+           "assert_same_floats", "random_inputs"]

@@ -3,8 +3,10 @@
 Each case runs one graph per op family and dtype the backend claims, at four shape classes of the
 innermost loop (a scalar tail, one vector, many vectors with a tail, and large enough to run in
 parallel), and compares every output with TORCH'S OWN RESULT AT THE SAME DTYPE, not the float64
-oracle: float32 ``exp(100)`` is inf, and a backend must say so. NaN must appear exactly where torch
-has NaN, infinities must match with their sign, finite values must agree per element (see
+oracle: float32 ``exp(100)`` is inf, and a backend must say so. Each case writes that torch
+expression itself (never through ``run_reference``, which is what the ``reference`` backend runs).
+NaN must appear exactly where torch has NaN, infinities must match with their sign, finite values
+must agree per element (see
 ``assert_same_floats``). The special values are tiled through whole tensors, so every vector lane
 sees every one of them; row and matmul operands carry one special value per row (a sum of two huge
 terms of opposite sign has no defined float result to compare), next to plain random values.
@@ -18,11 +20,10 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import yirage as yr
-from yirage.graph.ops import ref_attention
-from yirage.graph.reference import run_reference
-from yirage.testing.oracle import TOLERANCE, UNARY, assert_same_floats
+from yirage.testing.oracle import TOLERANCE, UNARY, UNARY_TORCH, assert_same_floats
 
 __all__ = [  # the cases; conformance.py star-imports them, so plugin authors get them with the rest of the kit
     "test_extreme_attention", "test_extreme_binary", "test_extreme_embedding_values", "test_extreme_matmul",
@@ -76,36 +77,52 @@ def tolerance(dtype: str) -> tuple[float, float]:
     return TOLERANCE[dtype], float(torch.finfo(getattr(torch, dtype)).tiny)
 
 
-def check(graph: yr.KernelGraph, inputs: list[Any], backend: str, dtype: str,
-          scales: Callable[[list[Any]], list[Any | None]] | None = None,
-          alternatives: list[Any | None] | None = None) -> None:
-    """Run ``graph`` on ``backend`` and compare each output with torch at ``dtype`` (see module doc).
+Expect = Callable[..., Any]
 
-    For float16 and bfloat16, torch rounds every intermediate of a chain of ops to the narrow dtype
-    (``silu(a)`` of a denormal becomes 0.0, so ``silu(a) * inf`` is NaN); a backend that computes the
-    fused chain in float32 and rounds once, as the narrow ops themselves do, passes too: torch in
-    float32 on the same values, narrowed at the end, is accepted as an alternative.
+
+def _listed(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def check(graph: yr.KernelGraph, inputs: list[Any], backend: str, dtype: str, expect: Expect,
+          scales: Expect | None = None, alternatives: list[Any | None] | None = None) -> None:
+    """Run ``graph`` on ``backend`` and compare each output with ``expect(*inputs)``: torch at ``dtype``.
+
+    ``scales(*inputs)`` gets the inputs' absolute values in float64 and gives each output's error
+    scale (the magnitude of its summed terms) or None. For float16 and bfloat16, torch rounds every
+    intermediate of a chain of ops to the narrow dtype (``silu(a)`` of a denormal becomes 0.0, so
+    ``silu(a) * inf`` is NaN); a backend that computes the fused chain in float32 and rounds once, as
+    the narrow ops themselves do, passes too: ``expect`` in float32 on the same values, narrowed at
+    the end, is accepted as an alternative.
     """
     outs = graph.run(list(inputs), backend=backend)
-    wants = run_reference(graph, inputs)
-    scale = scales(inputs) if scales else [None] * len(wants)
+    wants = _listed(expect(*inputs))
+    scale = _listed(scales(*[_abs64(t) for t in inputs])) if scales else [None] * len(wants)
     alts: list[list[Any]] = [[a] if a is not None else [] for a in (alternatives or [None] * len(wants))]
     if dtype in ("float16", "bfloat16"):
-        wide = run_reference(graph, [t.float() if t.is_floating_point() else t for t in inputs])
+        wide = _listed(expect(*[t.float() if t.is_floating_point() else t for t in inputs]))
         for more, w in zip(alts, wide, strict=True):
             more.append(w.to(getattr(torch, dtype)))
     rtol, atol = tolerance(dtype)
+    assert len(outs) == len(wants), f"{len(outs)} outputs, torch gives {len(wants)}"
     for index, (out, want) in enumerate(zip(outs, wants, strict=True)):
         assert out.dtype == want.dtype, f"output {index}: dtype {out.dtype}, torch gives {want.dtype}"
         assert_same_floats(out, want, rtol, atol, scale[index], alts[index],
                            what=f"output {index} of graph\n{graph}\non {backend} ({dtype})")
 
 
-def abs_scale(graph: yr.KernelGraph) -> Callable[[list[Any]], list[Any]]:
-    """Per-element magnitudes of the summed terms: the graph in float64 on |inputs| (sums, matmuls, epilogues)."""
-    def scales(inputs: list[Any]) -> list[Any]:
-        return run_reference(graph, [t.abs() if t.is_floating_point() else t for t in inputs], float64=True)
-    return scales
+def _abs64(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64).abs() if t.is_floating_point() else t
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm as written (not ``F.rms_norm``, which may widen internally): torch at x's dtype."""
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
 
 
 # -- pointwise --------------------------------------------------------------------------
@@ -115,6 +132,11 @@ EXTREME_UNARY: dict[str, Callable[[yr.KernelGraph, Any], Any]] = {
     **UNARY,
     "sqrt": lambda g, x: g.sqrt(x),  # negative inputs: NaN, as in torch
     "clamp_max": lambda g, x: g.clamp(x, max_val=-0.0),
+}
+EXTREME_UNARY_TORCH: dict[str, Callable[[Any], Any]] = {
+    **UNARY_TORCH,
+    "sqrt": torch.sqrt,
+    "clamp_max": lambda x: torch.clamp(x, max=-0.0),
 }
 
 
@@ -130,7 +152,8 @@ def test_extreme_unary(yirage_backend, yirage_dtypes, dtype, shape) -> None:
     # +inf, the true limit: accept either there
     gelu_inf = torch.where(t == math.inf, torch.full_like(t, math.inf), torch.nn.functional.gelu(t))
     alternatives = [gelu_inf if name == "gelu" else None for name in EXTREME_UNARY]
-    check(g, [t], yirage_backend, dtype, alternatives=alternatives)
+    check(g, [t], yirage_backend, dtype, lambda x: [EXTREME_UNARY_TORCH[name](x) for name in EXTREME_UNARY],
+          alternatives=alternatives)
 
 
 @pytest.mark.parametrize(("dtype", "shape"), CASES, ids=IDS)
@@ -141,7 +164,7 @@ def test_extreme_binary(yirage_backend, yirage_dtypes, dtype, shape) -> None:
     for op in ("add", "sub", "mul", "div", "pow"):
         g.mark_output(getattr(g, op)(a, b))
     check(g, [tiled(POINTWISE[shape], dtype), tiled(POINTWISE[shape], dtype, shift=3, stride=2)],
-          yirage_backend, dtype)
+          yirage_backend, dtype, lambda a, b: [a + b, a - b, a * b, a / b, torch.pow(a, b)])
 
 
 @pytest.mark.parametrize(("dtype", "shape"), CASES, ids=IDS)
@@ -152,7 +175,8 @@ def test_extreme_swiglu_with_residual(yirage_backend, yirage_dtypes, dtype, shap
     g.mark_output(g.add(g.mul(g.silu(a), b), r))
     dims = POINTWISE[shape]
     inputs = [tiled(dims, dtype), tiled(dims, dtype, shift=5, stride=2), tiled(dims, dtype, shift=9, stride=3)]
-    check(g, inputs, yirage_backend, dtype, scales=abs_scale(g))
+    check(g, inputs, yirage_backend, dtype, lambda a, b, r: F.silu(a) * b + r,
+          scales=lambda a, b, r: F.silu(a) * b + r)  # on |inputs|; silu(|a|) >= |silu(a)|
 
 
 @pytest.mark.parametrize(("dtype", "shape"), CASES, ids=IDS)
@@ -166,12 +190,8 @@ def test_extreme_rotary(yirage_backend, yirage_dtypes, dtype, shape) -> None:
     g.mark_output(g.rotary(x, cos, sin))
     inputs = [tiled(dims, dtype), tiled(cos.dims, dtype, shift=4, stride=2), tiled(sin.dims, dtype, shift=7)]
 
-    def scales(ts: list[Any]) -> list[Any]:
-        x64, c64, s64 = (t.to(torch.float64).abs() for t in ts)
-        half = dims[-1] // 2
-        return [x64 * c64 + torch.cat((x64[..., half:], x64[..., :half]), dim=-1) * s64]
-
-    check(g, inputs, yirage_backend, dtype, scales=scales)
+    check(g, inputs, yirage_backend, dtype, lambda x, c, s: x * c + _rotate_half(x) * s,
+          scales=lambda x, c, s: x * c + _rotate_half(x).abs() * s)
 
 
 def test_extreme_embedding_values(yirage_backend, yirage_dtypes) -> None:
@@ -183,7 +203,7 @@ def test_extreme_embedding_values(yirage_backend, yirage_dtypes) -> None:
         g.mark_output(g.embedding(ids, table))
         gen = torch.Generator().manual_seed(21)
         check(g, [torch.randint(0, table.dims[0], (3, 7), generator=gen), tiled(table.dims, dtype)],
-              yirage_backend, dtype)
+              yirage_backend, dtype, lambda ids, table: table[ids])
 
 
 # -- rows: sum, max (softmax), mean (rms_norm) --------------------------------------------------
@@ -206,9 +226,9 @@ def test_extreme_rows(yirage_backend, yirage_dtypes, dtype, shape) -> None:
     g.mark_output(g.reduction(x, -1))
     g.mark_output(g.softmax(x, -1))
     g.mark_output(g.rms_norm(x, (length,), eps=1e-5))
-    sum_scale = abs_scale(g)
     check(g, [row_input(length, dtype)], yirage_backend, dtype,
-          scales=lambda ts: [sum_scale(ts)[0], None, None])
+          lambda x: [x.sum(-1, keepdim=True), torch.softmax(x, -1), x * torch.rsqrt(x.pow(2).mean(-1, True) + 1e-5)],
+          scales=lambda x: [x.sum(-1, keepdim=True), None, None])
 
 
 # -- matmul: dot tiles over a (N, K) B, split-K over a (K, N) B, BLAS GEMM; prologue and epilogue -----
@@ -243,7 +263,11 @@ def test_extreme_matmul(yirage_backend, yirage_dtypes, dtype, shape, strategy) -
               torch.randn(m, k, generator=gen, dtype=torch.float64).to(getattr(torch, dtype)),
               (torch.rand(k, generator=gen, dtype=torch.float64) + 0.5).to(getattr(torch, dtype)),
               w_in, tiled((m, n), dtype, shift=1)]
-    check(g, inputs, yirage_backend, dtype, scales=abs_scale(g))
+
+    def expect(x: Any, y: Any, gamma: Any, w: Any, r: Any) -> list[Any]:
+        return [F.silu((_rms(x) * gamma) @ w) + r, (x * y) @ w]
+
+    check(g, inputs, yirage_backend, dtype, expect, scales=expect)  # on |inputs|: the terms' magnitude
 
 
 # -- decode attention ----------------------------------------------------------------------------
@@ -269,8 +293,16 @@ def test_extreme_attention(yirage_backend, yirage_dtypes, dtype, shape) -> None:
     values[0, :, 5:] = keys[0, :, 5:]
     inputs = [one_per_row(q.dims, dtype, seed=52), keys, values, torch.tensor([5, seq], dtype=torch.int32)]
 
-    def scales(ts: list[Any]) -> list[Any]:  # softmax weights are >= 0: sum of p * |v|
-        q64, k64, v64 = (t.to(torch.float64) for t in ts[:3])
-        return [ref_attention(q64, k64, v64.abs(), ts[3]).abs()]
+    signed = [t.to(torch.float64) for t in inputs[:2]]
+    check(g, inputs, yirage_backend, dtype, _attention,
+          scales=lambda q, k, v, n: _attention(*signed, v, n))  # softmax weights are >= 0: sum of p * |v|
 
-    check(g, inputs, yirage_backend, dtype, scales=scales)
+
+def _attention(q: Any, k: Any, v: Any, lengths: Any) -> Any:
+    """Decode attention in torch at q's dtype: the first lengths[b] cache rows, KV heads repeated for GQA."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("bhd,bhsd->bhs", q, k) * (1.0 / math.sqrt(q.shape[-1]))
+    unused = torch.arange(k.shape[2])[None, :] >= lengths.long()[:, None]
+    scores = scores.masked_fill(unused[:, None, :], -math.inf)
+    return torch.einsum("bhs,bhsd->bhd", torch.softmax(scores, dim=-1), v)

@@ -18,7 +18,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--yirage-backend", action="append", default=[], metavar="NAME",
                     help="run yirage's backend-generic tests on this backend (repeatable; default: all available)")
     group.addoption("--yirage-slow", action="store_true", default=False,
-                    help="run more hypothesis examples in yirage's random-graph tests")
+                    help="run ten times as many seeded random graphs in yirage's random-graph tests")
 
 
 _SLOW = False
@@ -29,9 +29,13 @@ def pytest_configure(config: pytest.Config) -> None:
     _SLOW = bool(config.getoption("--yirage-slow", default=False))
 
 
+#: seeded random graphs per backend in the kit (every one is a compile on a real backend)
+RANDOM_GRAPHS, RANDOM_GRAPHS_SLOW = 40, 400
+
+
 def random_graph_examples() -> int:
-    """Hypothesis examples per random-graph test: 100, or 1000 with --yirage-slow (only yirage's tests)."""
-    return 1000 if _SLOW else 100
+    """Random graphs (seeds 0..n-1) per random-graph test: 40, or 400 with --yirage-slow."""
+    return RANDOM_GRAPHS_SLOW if _SLOW else RANDOM_GRAPHS
 
 
 def selected_backends(config: pytest.Config) -> list[str]:
@@ -53,6 +57,10 @@ def selected_backends(config: pytest.Config) -> list[str]:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "yirage_backend" in metafunc.fixturenames:
         metafunc.parametrize("yirage_backend", selected_backends(metafunc.config), indirect=True)
+    if "yirage_graph_seed" in metafunc.fixturenames:  # the seed is in the test id: a failure names its graph
+        slow = metafunc.config.getoption("--yirage-slow", default=False)
+        metafunc.parametrize("yirage_graph_seed", range(RANDOM_GRAPHS_SLOW if slow else RANDOM_GRAPHS),
+                             ids=lambda seed: f"seed{seed}")
 
 
 @pytest.fixture
@@ -65,6 +73,16 @@ def yirage_backend(request: pytest.FixtureRequest) -> Any:
     if not backend.kernel_dtypes:
         pytest.skip(f"backend {name!r} does not compile kernel graphs yet")
     return name
+
+
+@pytest.fixture
+def yirage_is_oracle(yirage_backend: str) -> bool:
+    """True for the reference backend, which IS ``run_reference``: a case whose only oracle is
+    ``run_reference`` would compare it with itself, so such cases skip there."""
+    from yirage.backend.reference import ReferenceBackend
+    from yirage.backend.selection import registry
+
+    return isinstance(registry().get(yirage_backend), ReferenceBackend)
 
 
 @pytest.fixture
