@@ -12,7 +12,7 @@ $(VENV)/.installed: $(SETUP_INPUTS)
 
 demo: setup
 	$(PY) tools/backend_manager.py info
-	$(PY) demo/generate.py --make-random-model .demo-model --config w4 --backend auto
+	$(PY) demo/generate.py --backend auto
 
 lint: setup
 	$(PY) -m ruff check yirage backends tools tests examples

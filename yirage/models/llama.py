@@ -1,8 +1,8 @@
-"""Llama-family models (Llama, Qwen2 with qkv bias, Mistral GQA) from a Hugging Face directory.
+"""Llama-family models (Llama, Qwen2 with qkv bias, Mistral GQA) from a Hugging Face directory or a GGUF file.
 
 Reads ``config.json`` and ``*.safetensors`` (sharded or not), keeps weights
 in their stored dtype (bf16/fp16 are widened to float32 in the kernels), and
-builds the decode step as a PersistentKernel. The prompt is prefilled in one
+builds the decode step as a PersistentKernel (GGUF files: yirage/models/gguf.py). The prompt is prefilled in one
 batched pass with torch matmuls, filling the same KV caches the kernel uses.
 """
 
@@ -42,6 +42,7 @@ class LlamaConfig:
     eos_token_id: tuple[int, ...]
     sliding_window: int | None = None  # attention span limit; longer sequences are refused
     max_positions: int | None = None  # max_position_embeddings: what the model was trained for (a warning limit)
+    bos_token_id: int | None = None  # informational: prompts are tokenized by the model's tokenizer
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
@@ -171,7 +172,8 @@ def check_model_dir(model_dir: str | Path) -> Path:
                          "(with config.json and *.safetensors), e.g. one written by save_pretrained()")
     if not path.is_dir():
         raise ModelError(f"model path {str(path)!r} is a file, not a directory: pass the directory that holds "
-                         f"config.json and *.safetensors (perhaps {str(path.parent)!r})")
+                         f"config.json and *.safetensors (perhaps {str(path.parent)!r}), or a GGUF model file "
+                         "(one that starts with the bytes 'GGUF')")
     return path
 
 
@@ -291,6 +293,7 @@ class LlamaModel:
         self.k_cache: list[Any] = []
         self.v_cache: list[Any] = []
         self.cos = self.sin = None
+        self.gguf: Any = None  # a GGUFInfo when loaded with from_gguf
 
     def _qkv_order(self) -> Any:
         """Rows of cat(q, k, v) regrouped per kv head: [q heads of g | k_g | v_g] for each g."""
@@ -311,6 +314,19 @@ class LlamaModel:
     def from_pretrained(cls, model_dir: str | Path, dtype: Any = None) -> LlamaModel:
         dtype = resolve_dtype(dtype)  # before reading gigabytes of weights
         return cls(load_config(model_dir), load_weights(model_dir), dtype)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, dtype: Any = None) -> LlamaModel:
+        """A model from a llama.cpp GGUF file, dequantized into ``dtype`` (default float32).
+
+        ``model.gguf`` keeps the file's facts (tokenizer ids, chat template, tensor types).
+        """
+        from yirage.models.gguf import read_gguf
+
+        config, weights, info = read_gguf(path, dtype)
+        model = cls(config, weights)
+        model.gguf = info
+        return model
 
     def check_cache_fits(self, batch_size: int, max_len: int) -> None:
         """Refuse, before allocating anything, a KV cache larger than the memory available now."""
