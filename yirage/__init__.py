@@ -32,11 +32,12 @@ from yirage.errors import (
     YirageError,
 )
 from yirage.graph.dtypes import bfloat16, float16, float32, float64, int32, int64
-from yirage.graph.kernel_graph import KernelGraph, Tensor, new_kernel_graph
+from yirage.graph.kernel_graph import KernelGraph, Tensor
 from yirage.graph.ops import GraphError
-from yirage.graph.reference import run_reference
 from yirage.log import configure_from_environment as _configure_logging
 from yirage.persistent.kernel import PersistentKernel
+from yirage.reference.graph import run_reference
+from yirage.runtime.graphs import new_kernel_graph  # also installs the compiler behind g.compile() and g(...)
 
 __version__ = "0.1.0"
 

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from yirage.errors import NotSupportedError, PluginError
+
+if TYPE_CHECKING:
+    from yirage.compiler.stages import Artifact
 
 #: The plugin-API version this yirage speaks. A plugin module declares the
 #: version it was written for as ``YIRAGE_PLUGIN_API = 1``.
@@ -167,15 +171,71 @@ class Backend:
     def compile(self, plan: Any, graph: Any) -> Any:
         """Build a callable ``run(inputs) -> outputs`` for a fused KernelPlan.
 
-        Inputs reach it already checked against the graph's declarations.
+        Inputs reach it already checked against the graph's declarations. A
+        backend that overrides the stages below gets this for free: render,
+        then build only on a cache miss, then load, through the one cache of
+        ``yirage.compiler.stages.compile_cached``.
         """
-        raise NotSupportedError(
-            f"backend {self.name!r} cannot compile kernel graphs yet; "
-            "use backend='cpu' or backend='reference'"
-        )
+        if type(self).render is Backend.render:
+            raise NotSupportedError(
+                f"backend {self.name!r} cannot compile kernel graphs yet; "
+                "use backend='cpu' or backend='reference'"
+            )
+        from yirage.compiler.stages import compile_cached
 
-    def persistent_runtime(self, task_graph: Any, config: Any) -> Any:
-        """Build the runtime that executes a PersistentKernel's task graph."""
+        self.require_available()
+        return compile_cached(self, plan)
+
+    # -- compile stages (a backend that compiles overrides render, build and load) --
+    def render(self, plan: Any) -> str:
+        """Stage 1: the source text of a KernelPlan (pure: the same plan gives the same text).
+
+        The text is the main part of the cache key, so everything the
+        generated code depends on (shapes, dtypes, constants) must appear in it.
+        """
+        raise NotSupportedError(f"backend {self.name!r} does not render kernel plans")
+
+    def build(self, source: str, workdir: Path) -> Path | Sequence[Path]:
+        """Stage 2: turn ``source`` into files inside ``workdir`` (a private cache entry); return their paths.
+
+        Runs only on a cache miss (or to replace a corrupted entry). Write with
+        ``yirage.compiler.cache.write_private`` so a crash never leaves a torn file.
+        """
+        raise NotSupportedError(f"backend {self.name!r} does not build kernel sources")
+
+    def load(self, artifact: Artifact) -> Callable[..., Any]:
+        """Stage 3: the launcher ``run(inputs) -> outputs`` from verified build output (``artifact.path``)."""
+        raise NotSupportedError(f"backend {self.name!r} does not load compiled kernels")
+
+    def fingerprint(self) -> str:
+        """What besides the source decides the build output: by default a hash of the backend's own package.
+
+        Override to add compiler versions; it is part of every cache key.
+        """
+        import inspect
+
+        from yirage.codegen.fingerprint import source_fingerprint
+
+        try:
+            package = Path(inspect.getfile(type(self))).resolve().parent
+        except (TypeError, OSError) as exc:
+            raise NotSupportedError(
+                f"backend {self.name!r} is not defined in a source file ({exc}), so yirage cannot fingerprint it "
+                "for the compile cache; override Backend.fingerprint() to return what its output depends on"
+            ) from exc
+        return source_fingerprint(package)
+
+    def target(self) -> str:
+        """What the build is for (GPU arch, thread count...), part of every cache key; '' for one target."""
+        return ""
+
+    def persistent_runtime(self, program: Any, config: Any) -> Any:
+        """Build the runtime that runs a frozen PersistentProgram (``yirage.persistent.program``).
+
+        The program holds the tensors, layers, task graph and descriptor rows with named columns
+        (``yirage.persistent.specs``); a runtime reads only the program, so a backend adds task
+        bodies for the LayerSpec kinds and nothing else.
+        """
         raise NotSupportedError(
             f"backend {self.name!r} has no PersistentKernel runtime yet"
         )

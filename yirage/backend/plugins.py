@@ -334,7 +334,7 @@ class Discovery:
     """Loads plugins on demand under the switches: by backend name first, all when needed."""
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
-        from yirage.backend import reference
+        from yirage.reference import backend as reference
 
         self.env = os.environ if environ is None else environ
         self.plugins = PluginSet(config.probe_timeout(self.env))

@@ -122,13 +122,17 @@ def private_dir(path: Path) -> Path:
     return path
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` atomically (temp file + rename), readable and writable by the owner only."""
+def write_private(path: Path, data: str | bytes) -> None:
+    """Write ``data`` atomically (temp file + rename), readable and writable by the owner only.
+
+    Text is written as UTF-8; bytes (a compiled binary) as they are.
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    raw = data.encode("utf-8") if isinstance(data, str) else data
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)

@@ -3,6 +3,10 @@
 Every op checks its operands when it is added, so a wrong shape fails on the
 line that wrote it. A graph prints readably, hashes stably and round-trips
 through JSON; calling it compiles it for its backend (once) and runs it.
+
+This module is pure IR: it imports nothing above the graph layer. Compiling
+is done by the runtime layer, which installs its compiler here when it is
+imported (``import yirage`` does), and caches executables outside the graph.
 """
 
 from __future__ import annotations
@@ -10,13 +14,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from yirage.graph.dtypes import DType, as_dtype, float32
 from yirage.graph.ops import OPS, GraphError, Operand, as_number, check_dims, check_numel
 from yirage.graph.serialize import FORMAT_VERSION, check_document, check_node, read_source
+
+#: The runtime's ``compile_graph(graph, backend)``; the graph layer cannot import it (layering is one-way).
+_compiler: Callable[[KernelGraph, Any], Any] | None = None
+
+
+def install_compiler(compile_graph: Callable[[KernelGraph, Any], Any]) -> None:
+    """Let ``g.compile()``/``g(...)`` reach the runtime layer, which calls this when it is imported."""
+    global _compiler
+    if not callable(compile_graph):
+        raise TypeError(f"install_compiler needs a compile_graph(graph, backend) function, got {compile_graph!r}")
+    _compiler = compile_graph
 
 
 @dataclass(frozen=True)
@@ -132,7 +147,6 @@ class KernelGraph:
     backend: str | None = None
     nodes: list[Node] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
-    _executables: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False)
     _digest: str | None = field(default=None, repr=False, compare=False)
 
     # -- building ----------------------------------------------------------
@@ -213,8 +227,7 @@ class KernelGraph:
         return Tensor(self, len(self.nodes) - 1)
 
     def _changed(self) -> None:
-        self._executables.clear()
-        self._digest = None
+        self._digest = None  # compiled executables are cached by digest, so this also retires them
 
     # -- views ---------------------------------------------------------------
     @property
@@ -244,6 +257,10 @@ class KernelGraph:
             lines.append(f"  {n.label} = {n.op}({', '.join(args)})  # {n.dims} {n.dtype}")
         lines.append(f"  outputs: {', '.join(self.nodes[i].label for i in self.outputs) or '(none)'}")
         return "\n".join(lines)
+
+    def copy(self) -> KernelGraph:
+        """An independent graph with the same program; adding ops to either leaves the other as it was."""
+        return KernelGraph(backend=self.backend, nodes=list(self.nodes), outputs=list(self.outputs))
 
     # -- identity ------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -319,10 +336,13 @@ class KernelGraph:
 
     # -- running -------------------------------------------------------------
     def compile(self, backend: Any = None) -> Any:
-        """Fuse, generate and build for ``backend`` (else the graph's, else the default)."""
-        from yirage.runtime.executable import compile_graph
+        """Fuse, generate and build for ``backend`` (else the graph's, else the default); cached per graph."""
+        if _compiler is None:
+            from yirage.errors import YirageError
 
-        return compile_graph(self, backend if backend is not None else self.backend)
+            raise YirageError("KernelGraph.compile needs yirage's runtime layer, which installs the compiler when "
+                              "it is imported: import yirage (or yirage.runtime.graphs) before compiling a graph")
+        return _compiler(self, backend if backend is not None else self.backend)
 
     def run(self, inputs: Sequence[Any], backend: Any = None) -> list[Any]:
         return self.compile(backend)(inputs)
@@ -369,12 +389,3 @@ class KernelGraph:
         from yirage.graph.compat import graph_attribute_error
 
         raise graph_attribute_error(self, name)
-
-
-def new_kernel_graph(backend: Any = None) -> KernelGraph:
-    """Start a kernel graph; ``backend`` defaults to the process default at compile time."""
-    if backend is not None:
-        from yirage.backend.selection import resolve
-
-        backend = resolve(backend, "new_kernel_graph(backend=...)").name  # fail early, with the reason
-    return KernelGraph(backend=backend)

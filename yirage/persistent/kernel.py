@@ -23,7 +23,8 @@ from yirage.locks import ForkSafeRLock
 from yirage.persistent import shutdown  # noqa: F401 - registers the exit hook before any decode runs
 from yirage.persistent.guard import Snapshot, check_disjoint, check_tensor, refuse_dispatch_modes
 from yirage.persistent.layers import Layer, LayerError, PKTensor, require, split_ok
-from yirage.persistent.task_graph import TaskGraph, build_task_graph
+from yirage.persistent.program import PersistentProgram, build_program
+from yirage.persistent.task_graph import TaskGraph
 
 _FLOATS = ("float32", "bfloat16", "float16")
 
@@ -100,7 +101,7 @@ class PersistentKernel:
         self.torch_tensors: dict[str, Any] = {}
         self.layers: list[Layer] = []
         self._written: set[str] = set()
-        self.task_graph: TaskGraph | None = None
+        self.program: PersistentProgram | None = None  # built by compile()
         self.runtime: Any = None
         self.tokens_tensor = self._register("tokens", tuple(tokens.shape), str(tokens.dtype).removeprefix("torch."),
                                             True, tokens)
@@ -162,7 +163,12 @@ class PersistentKernel:
             raise LayerError(f"{layer}: {output.name!r} is already written by another layer; use a new tensor")
         self.layers.append(Layer(kind, len(self.layers), inputs, output, tasks, params))
         self._written.add(output.name)
-        self.task_graph = self.runtime = self._snapshot = None  # a changed graph must be compiled again
+        self.program = self.runtime = self._snapshot = None  # a changed graph must be compiled again
+
+    @property
+    def task_graph(self) -> TaskGraph | None:
+        """The compiled program's task graph (None until ``compile()``)."""
+        return None if self.program is None else self.program.task_graph
 
     def _dims(self, layer: str, role: str, t: PKTensor, dims: tuple[int, ...], floats: bool = True) -> None:
         require(t.dims == dims, layer, f"{role} {t.name!r} has dims {t.dims}, expected {dims}")
@@ -222,8 +228,8 @@ class PersistentKernel:
         kc, vc = self._own(name, "k_cache", k_cache), self._own(name, "v_cache", v_cache)
         require(kc is not vc, name, f"k_cache and v_cache are the same tensor {kc.name!r}; decoding writes both, "
                                     "so keys would overwrite values: attach a separate buffer for each")
-        for other in (lay for lay in self.layers if lay.kind == "attention"):
-            for role in ("k_cache", "v_cache"):
+        for other in self.layers:
+            for role in other.spec.writes:
                 require(other.inputs[role] not in (kc, vc), name,
                         f"{other.inputs[role].name!r} is already the {role} of {other}; every attention layer "
                         "writes its caches, so give each layer its own k_cache and v_cache")
@@ -300,12 +306,15 @@ class PersistentKernel:
     def compile(self) -> PersistentKernel:
         refuse_dispatch_modes("PersistentKernel.compile() was called")
         with self._lock:
-            if not self.layers or self.layers[-1].kind not in ("argmax", "sample"):
+            if not self.layers or not self.layers[-1].spec.picks_token:
                 raise LayerError("the last layer must be argmax_layer or sampling_layer: it picks the next token")
             self._check_token_range()
             self._check_memory()
-            self.task_graph = build_task_graph(self.layers)
-            self.runtime = self.backend.persistent_runtime(self, self._config())
+            self.program = build_program(
+                batch=self.batch, max_seq_length=self.max_seq_length, eos_token_ids=self.eos_token_ids,
+                tensors=self.tensors, torch_tensors=self.torch_tensors, step=self.step, tokens=self.tokens,
+                layers=self.layers, profiler_tensor=self.profiler_tensor)
+            self.runtime = self.backend.persistent_runtime(self.program, self._config())
             self._snapshot = Snapshot([*self.torch_tensors.items(), ("step", self.step)])
         return self
 
@@ -313,14 +322,15 @@ class PersistentKernel:
         """The picker's ids feed the next step's embed lookup: every id it can emit must be a row there."""
         picker = self.layers[-1]
         width = picker.inputs["input"].dims[1]
-        for layer in (lay for lay in self.layers if lay.kind == "embed"):
-            rows = layer.inputs["weight"].dims[0]
+        for layer in (lay for lay in self.layers if lay.spec.token_table is not None):
+            table = layer.inputs[layer.spec.token_table]
+            rows = table.dims[0]
             if width > rows:
                 raise LayerError(
-                    f"{picker.kind}_layer picks token ids in [0, {width}) (its input {picker.inputs['input'].name!r} "
-                    f"has {width} columns), but embed_layer's weight {layer.inputs['weight'].name!r} has only {rows} "
-                    "rows: the next step would read past the table. Make the logits as wide as the embed table "
-                    "(lm_head rows = embed rows = vocab_size)")
+                    f"{picker.spec.method} picks token ids in [0, {width}) (its input {picker.inputs['input'].name!r} "
+                    f"has {width} columns), but {layer.spec.method}'s {layer.spec.token_table} {table.name!r} has "
+                    f"only {rows} rows: the next step would read past the table. Make the logits as wide as the "
+                    "embed table (lm_head rows = embed rows = vocab_size)")
 
     def _check_memory(self) -> None:
         """Tensors that decoding writes (meta tensors, KV caches) must not alias anything else handed over.
@@ -329,8 +339,7 @@ class PersistentKernel:
         tied embeddings); a written tensor must have exactly one use: one
         name, one role in one layer, and no bytes in common with any other.
         """
-        written = {"tokens"} | {layer.inputs[r].name for layer in self.layers if layer.kind == "attention"
-                                for r in ("k_cache", "v_cache")}
+        written = {"tokens"} | {layer.inputs[r].name for layer in self.layers for r in layer.spec.writes}
         for name in written - {"tokens"}:
             uses = [f"{role} of {layer}" for layer in self.layers for role, t in layer.inputs.items()
                     if t.name == name]
@@ -359,7 +368,8 @@ class PersistentKernel:
 
     def check_meta(self) -> None:
         """step and the current tokens must be in range: compiled runtimes index memory with them."""
-        vocab = next((lay.inputs["weight"].dims[0] for lay in self.layers if lay.kind == "embed"), None)
+        vocab = next((lay.inputs[lay.spec.token_table].dims[0] for lay in self.layers
+                      if lay.spec.token_table is not None), None)
         for b in range(self.batch):
             pos = int(self.step[b])
             if not 0 <= pos < self.max_seq_length:

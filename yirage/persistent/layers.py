@@ -5,19 +5,19 @@ the layer's output columns (all batch rows), or one (batch, kv-group) block
 for attention. For each input a layer also says how many contiguous column
 parts its tasks read (1: every task reads the whole input); events between
 a producer and a consumer partition that shared dimension by the gcd of the
-two splits.
+two splits. Those rules are data: the kind's LayerSpec (yirage.persistent.specs).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
-from yirage.errors import YirageError
+from yirage.persistent.specs import LayerError, LayerSpec, Partition, layer_spec
 
-
-class LayerError(YirageError, ValueError):
-    """A layer wired to tensors it cannot take; raised when the layer is added."""
+__all__ = ["Layer", "LayerError", "PKTensor", "require", "split_ok"]
 
 
 @dataclass(frozen=True)
@@ -34,16 +34,35 @@ class PKTensor:
         return f"{self.name} {self.dims} {self.dtype}"
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Layer:
-    """One layer: its kind, tensors, task count and how tasks map to parts."""
+    """One layer: its kind, tensors, task count and parameters; frozen once added.
+
+    How its tasks map to column parts comes from its kind's LayerSpec.
+    """
 
     kind: str
     index: int
-    inputs: dict[str, PKTensor]  # role -> tensor
+    inputs: Mapping[str, PKTensor]  # role -> tensor
     output: PKTensor
     tasks: int
-    params: dict[str, Any] = field(default_factory=dict)
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        layer_spec(self.kind)  # an unknown kind fails here, with the list of known ones
+        object.__setattr__(self, "inputs", MappingProxyType(dict(self.inputs)))
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+
+    @property
+    def spec(self) -> LayerSpec:
+        return layer_spec(self.kind)
+
+    def _parts(self, partition: Partition) -> int:
+        if partition is Partition.WHOLE:
+            return 1
+        if partition is Partition.PER_TASK:
+            return self.tasks
+        return int(self.params["kv_heads"])
 
     def write_part(self, task: int) -> int:
         """Which output column part task ``task`` writes (attention: its kv group)."""
@@ -51,19 +70,11 @@ class Layer:
 
     @property
     def out_parts(self) -> int:
-        if self.kind == "attention":
-            return self.params["kv_heads"]
-        if self.kind in ("argmax", "sample"):
-            return 1
-        return self.tasks
+        return self._parts(self.spec.output)
 
     def read_parts(self, role: str) -> int:
         """How many contiguous column parts the tasks read input ``role`` in (1: all of it)."""
-        if self.kind == "attention" and role == "input":
-            return self.params["kv_heads"]
-        if self.kind in ("linear_with_residual", "silu_mul_linear_with_residual") and role == "residual":
-            return self.tasks
-        return 1
+        return self._parts(self.spec.read_partition(role))
 
     def read_part(self, role: str, task: int) -> int:
         return task % self.read_parts(role)

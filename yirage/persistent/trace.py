@@ -14,17 +14,18 @@ def chrome_trace(pk: Any, profile: Any | None = None) -> dict[str, Any]:
     start ns, end ns, worker). Open the file in ui.perfetto.dev or chrome://tracing.
     """
     profile = pk.profiler_tensor if profile is None else profile
-    graph = pk.task_graph
-    if profile is None or graph is None:
+    program = pk.program
+    if profile is None or program is None:
         raise ValueError("profile a compiled PersistentKernel: pass profiler_tensor=torch.zeros(3 * tasks, "
                          "dtype=torch.int64) and run it once")
+    graph = program.task_graph
     values = [int(v) for v in profile.reshape(-1)[: 3 * graph.num_tasks]]
     events = []
     for task in range(graph.num_tasks):
         start, end, worker = values[3 * task: 3 * task + 3]
         if end <= 0:
             continue
-        layer = pk.layers[graph.task_layer[task]]
+        layer = program.layers[graph.task_layer[task]]
         events.append({
             "name": f"{layer.kind} L{layer.index}", "cat": layer.kind, "ph": "X", "pid": 0, "tid": worker,
             "ts": start / 1e3, "dur": max(end - start, 0) / 1e3,

@@ -10,20 +10,15 @@ is reported with the plugin's name instead of reaching the user.
 
 from __future__ import annotations
 
-import logging
 import sys
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from yirage.backend.base import Backend
 from yirage.compiler.kernel_ir import KernelPlan
-from yirage.compiler.lower import build_plan
 from yirage.errors import BackendError, YirageError
 from yirage.graph.kernel_graph import KernelGraph, contiguous_strides
-
-logger = logging.getLogger("yirage.runtime")
 
 _grad_warned = False  # the autograd warning is given once per process
 
@@ -154,7 +149,7 @@ class Executable:
                    if isinstance(o, torch.Tensor) else f"a {type(o).__name__}")
             problem = f"returned output {k} as {got}"
         return BackendOutputError(
-            f"backend {self.backend.name!r} (from {_plugin_of(self.backend)}) {problem}; graph "
+            f"backend {self.backend.name!r} (from {plugin_of(self.backend)}) {problem}; graph "
             f"{self.plan.digest[:12]} declares outputs [{expected}] on {self._device!r}. This is a bug in "
             "the plugin: report it to its authors, and compile with another backend meanwhile "
             "(e.g. g.compile('reference'))"
@@ -300,7 +295,7 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _plugin_of(backend: Backend) -> str:
+def plugin_of(backend: Backend) -> str:
     """The plugin that provides ``backend``, for error messages."""
     from yirage.backend.selection import registry
 
@@ -310,26 +305,3 @@ def _plugin_of(backend: Backend) -> str:
         return f"module {type(backend).__module__}"
     return f"plugin {record.name!r}, distribution {record.distribution} {record.version}"
 
-
-def compile_graph(graph: KernelGraph, backend: Any = None) -> Executable:
-    """Compile once per (backend, graph content); later calls reuse the executable."""
-    from yirage.backend.selection import current_backend, resolve
-
-    chosen = current_backend() if backend is None else resolve(backend)
-    key = (chosen.name, graph.digest)
-    cached = graph._executables.get(key)
-    if cached is not None:
-        return cached
-    started = time.perf_counter()
-    plan = build_plan(graph)
-    run = chosen.compile(plan, graph)
-    if not callable(run):
-        raise BackendOutputError(f"backend {chosen.name!r} (from {_plugin_of(chosen)}) returned {run!r} from "
-                                 "compile(plan, graph) instead of a run(inputs) function. This is a bug in the plugin: "
-                                 "report it to its authors, and compile with another backend meanwhile")
-    seconds = time.perf_counter() - started
-    logger.info("compiled graph %s for %s in %.3f s (%d kernels)", graph.digest[:12], chosen.name, seconds,
-                len(plan.kernels))
-    exe = Executable(graph, plan, chosen, run, seconds)
-    graph._executables[key] = exe
-    return exe

@@ -79,8 +79,8 @@ def yirage_backend(request: pytest.FixtureRequest) -> Any:
 def yirage_is_oracle(yirage_backend: str) -> bool:
     """True for the reference backend, which IS ``run_reference``: a case whose only oracle is
     ``run_reference`` would compare it with itself, so such cases skip there."""
-    from yirage.backend.reference import ReferenceBackend
     from yirage.backend.selection import registry
+    from yirage.reference.backend import ReferenceBackend
 
     return isinstance(registry().get(yirage_backend), ReferenceBackend)
 

@@ -6,6 +6,7 @@ Only ``probe`` imports numba, so ``import yirage`` stays light.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 import yirage
@@ -54,11 +55,11 @@ class CPUBackend(yirage.Backend):
 
     kernel_dtypes = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
 
-    def persistent_runtime(self, task_graph: Any, config: Any) -> Any:
+    def persistent_runtime(self, program: Any, config: Any) -> Any:
         from yirage_backend_cpu.pk_runtime import CPUPersistentRuntime
 
         self.require_available()
-        return CPUPersistentRuntime(task_graph, config)
+        return CPUPersistentRuntime(program, config)
 
     def default_config(self, device: yirage.DeviceInfo) -> dict[str, int]:
         """One thread per physical core; workers release tasks themselves on small machines.
@@ -71,12 +72,39 @@ class CPUBackend(yirage.Backend):
         schedulers = cores // 8
         return {"num_workers": cores - schedulers, "num_local_schedulers": schedulers}
 
+    # -- compile stages (yirage_backend_cpu.compile), cached by the core's compile_cached --
     def compile(self, plan: Any, graph: Any) -> Any:
         from yirage_backend_cpu.compile import compile_plan
 
         self.require_available()
-        run, _ = compile_plan(plan, distribution_version("yirage-backend-cpu") or "source")
-        return run
+        return compile_plan(self, plan)
+
+    def render(self, plan: Any) -> str:
+        from yirage_backend_cpu.compile import render
+
+        return render(plan, self.fingerprint())
+
+    def build(self, source: str, workdir: Path) -> Path:
+        from yirage_backend_cpu.compile import build
+
+        return build(source, workdir)
+
+    def load(self, artifact: Any) -> Any:
+        from yirage_backend_cpu.compile import load
+
+        return load(artifact)
+
+    def fingerprint(self) -> str:
+        """The distribution's version and a hash of every source file of the backend."""
+        from yirage_backend_cpu.sources import backend_fingerprint
+
+        return f"{distribution_version('yirage-backend-cpu') or 'source'}+{backend_fingerprint()}"
+
+    def target(self) -> str:
+        """numba's thread count is baked into the generated source (chunking, prange sizes)."""
+        from yirage_backend_cpu.codegen import threads
+
+        return f"numba-threads={threads()}"
 
 
 @yirage.hookimpl

@@ -1,4 +1,7 @@
-"""Code-generation helpers of the numba renderer: emitting, spelling, indexing.
+"""Code-generation helpers of the numba renderer: its spellings of expressions, indices and kernels.
+
+The backend-neutral parts (``Emitter``, index arithmetic, expression walking,
+``compute_type``) live in ``yirage.codegen``; this module only spells them in numba-Python.
 
 Generated kernels index flat 1-D buffers with uint64 arithmetic only (``U``
 is ``np.uint64`` in the generated module): numba then skips its negative-
@@ -11,14 +14,11 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-from yirage.compiler.kernel_ir import (
-    Buffer,
-    Call,
-    Const,
-    Expr,
-    Load,
-    Var,
-)
+from yirage.codegen import indexing
+from yirage.codegen.emit import Emitter
+from yirage.codegen.exprs import Spelling, compute_type, spell_expr
+from yirage.codegen.indexing import IndexSyntax
+from yirage.compiler.kernel_ir import Buffer, Expr, Load
 
 RENDERER_VERSION = "2"  # 2: IEEE special values: no fast-math flags, reductions via racc/rfma/rmax
 PARALLEL_MIN_WORK = 1 << 16  # below this many weighted scalar ops, waking the thread pool costs more than it saves
@@ -32,32 +32,6 @@ def threads() -> int:
     return int(numba.config.NUMBA_NUM_THREADS)
 
 
-def compute_type(buffer: Buffer) -> str:
-    """Floats narrower than 32 bits are widened to float32 at the boundary."""
-    name = buffer.dtype.name
-    return "float32" if name in ("float16", "bfloat16") else name
-
-
-class Emitter:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.depth = 0
-
-    def __call__(self, line: str) -> None:
-        self.lines.append("    " * self.depth + line)
-
-    def block(self, header: str) -> Emitter:
-        self(header)
-        return self
-
-    def __enter__(self) -> Emitter:
-        self.depth += 1
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.depth -= 1
-
-
 def const(value: float, ct: str) -> str:
     if ct.startswith("int"):
         return f"np.{ct}({int(value)})"
@@ -66,35 +40,37 @@ def const(value: float, ct: str) -> str:
     return f"np.{ct}({value!r})"
 
 
-def expr_src(expr: Expr, load: Callable[[Load], str], ct: str) -> str:
-    """Spell an expression in numba-Python for compute type ``ct``."""
-    if isinstance(expr, Load):
-        return load(expr)
-    if isinstance(expr, Var):
-        return f"v_{expr.name}"
-    if isinstance(expr, Const):
-        return const(expr.value, ct)
-    a = [expr_src(x, load, ct) for x in expr.args]
+def _spellings(ct: str) -> dict[str, Spelling]:
+    """numba-Python for each IR function at compute type ``ct``."""
     f32 = ct == "float32"
     one = const(1.0, ct)
-    spell = {
-        "add": lambda: f"({a[0]} + {a[1]})",
-        "sub": lambda: f"({a[0]} - {a[1]})",
-        "mul": lambda: f"({a[0]} * {a[1]})",
-        "div": lambda: f"({a[0]} / {a[1]})",
-        "pow": lambda: f"({a[0]} ** {a[1]})",
-        "max": lambda: f"fmax({a[0]}, {a[1]})",  # NaN-propagating, like torch.maximum and torch.clamp
-        "min": lambda: f"fmin({a[0]}, {a[1]})",
-        "exp": lambda: f"fexp({a[0]})" if f32 else f"math.exp({a[0]})",
-        "sqrt": lambda: f"math.sqrt({a[0]})",
-        "rsqrt": lambda: f"({one} / math.sqrt({a[0]}))",
-        "silu": lambda: f"fsilu({a[0]})" if f32 else f"dsilu({a[0]})",
-        "gelu": lambda: f"fgelu({a[0]})" if f32 else f"dgelu({a[0]})",
-        "relu": lambda: f"fmax({a[0]}, {const(0, ct)})",
-        "square": lambda: f"({a[0]} * {a[0]})",
-        "neg": lambda: f"(-{a[0]})",
+    return {
+        "add": lambda a: f"({a[0]} + {a[1]})",
+        "sub": lambda a: f"({a[0]} - {a[1]})",
+        "mul": lambda a: f"({a[0]} * {a[1]})",
+        "div": lambda a: f"({a[0]} / {a[1]})",
+        "pow": lambda a: f"({a[0]} ** {a[1]})",
+        "max": lambda a: f"fmax({a[0]}, {a[1]})",  # NaN-propagating, like torch.maximum and torch.clamp
+        "min": lambda a: f"fmin({a[0]}, {a[1]})",
+        "exp": lambda a: f"fexp({a[0]})" if f32 else f"math.exp({a[0]})",
+        "sqrt": lambda a: f"math.sqrt({a[0]})",
+        "rsqrt": lambda a: f"({one} / math.sqrt({a[0]}))",
+        "silu": lambda a: f"fsilu({a[0]})" if f32 else f"dsilu({a[0]})",
+        "gelu": lambda a: f"fgelu({a[0]})" if f32 else f"dgelu({a[0]})",
+        "relu": lambda a: f"fmax({a[0]}, {const(0, ct)})",
+        "square": lambda a: f"({a[0]} * {a[0]})",
+        "neg": lambda a: f"(-{a[0]})",
     }
-    return spell[expr.fn]()
+
+
+_SPELLINGS = {ct: _spellings(ct) for ct in ("float32", "float64", "int32", "int64")}
+
+
+def expr_src(expr: Expr, load: Callable[[Load], str], ct: str) -> str:
+    """Spell an expression in numba-Python for compute type ``ct``."""
+    table = _SPELLINGS.get(ct) or _spellings(ct)
+    return spell_expr(expr, load=load, var=lambda v: f"v_{v.name}", const=lambda c: const(c.value, ct),
+                      table=table, renderer="cpu (numba)")
 
 
 def acc_src(acc: str, x: str, ct: str) -> str:
@@ -107,48 +83,23 @@ def fma_src(acc: str, x: str, y: str, ct: str) -> str:
     return f"rfma({acc}, {x}, {y})" if ct.startswith("float") else f"({acc} + {x} * {y})"
 
 
-_COSTLY = {"exp": 8, "silu": 8, "gelu": 12, "pow": 12, "sqrt": 2, "rsqrt": 2, "div": 2}
-
-
-def expr_cost(expr: Expr) -> int:
-    """Rough scalar-op count of one evaluation: transcendental calls weigh more."""
-    if isinstance(expr, Call):
-        return _COSTLY.get(expr.fn, 1) + sum(expr_cost(a) for a in expr.args)
-    return 1
-
-
-def has_rotate(expr: Expr) -> bool:
-    if isinstance(expr, Load):
-        return expr.rotate_half
-    if isinstance(expr, Call):
-        return any(has_rotate(a) for a in expr.args)
-    return False
+#: numba spelling of index arithmetic: every index is uint64 so numba skips wraparound checks
+INDEX = IndexSyntax(const=lambda n: f"U({n})", declare=lambda n, v: f"{n} = {v}",
+                    assign=lambda n, v: f"{n} = {v}", floordiv="//")
 
 
 def decompose(emit: Emitter, flat: str, dims: Sequence[int], names: Sequence[str]) -> None:
     """Emit ``names[i] = index along dims[i]`` for the row-major flat index ``flat`` (uint64)."""
-    if not dims:
-        return
-    if len(dims) == 1:
-        emit(f"{names[0]} = {flat}")
-        return
-    emit(f"_r = {flat}")
-    for i in range(len(dims) - 1, 0, -1):
-        emit(f"{names[i]} = _r % U({dims[i]})")
-        emit(f"_r = _r // U({dims[i]})")
-    emit(f"{names[0]} = _r")
+    indexing.decompose(emit, flat, dims, names, INDEX)
 
 
 def offset(names: Sequence[str], strides: Sequence[int]) -> str:
     """uint64 offset expression; every index is uint64 so numba skips wraparound checks."""
-    terms = [f"{n} * U({s})" if s != 1 else n for n, s in zip(names, strides, strict=True) if s]
-    return " + ".join(terms) or "U(0)"
+    return indexing.offset(names, strides, INDEX)
 
 
 def at(base: str, index: str, stride: int) -> str:
-    if not stride:
-        return base
-    return f"{base} + {index}" if stride == 1 else f"{base} + {index} * U({stride})"
+    return indexing.at(base, index, stride, INDEX)
 
 
 @contextmanager

@@ -1,10 +1,14 @@
-"""Build a plan: render numba source into the cache directory and import it.
+"""The numba stages of the CPU backend: render a plan as a module, write it, import it.
 
 numba's ``cache=True`` only works for functions defined in a module file, so
-each plan's source lives at ``<cache>/cpu/<key>/kernels.py``; ``key`` is the
-hash of the rendered source, which embeds the plan digest (graph, shapes,
-dtypes, layouts) and the backend and renderer versions. A second process
-finds the file and numba's compiled code beside it.
+``build`` writes each plan's source to ``<cache>/cpu/<key>/kernels.py``, an
+entry of the core's cache (``yirage.compiler.stages.compile_cached``: key =
+hash of the source, which embeds the plan digest, and of the backend's
+fingerprint and thread count; the manifest catches a damaged file). ``load``
+imports it; numba compiles on import and keeps its compiled code beside it
+(or below ``NUMBA_CACHE_DIR``), where a second process finds it. numba's own
+cache files are checked for ownership before it unpickles them, and a load
+that fails on them clears them and compiles once more.
 """
 
 from __future__ import annotations
@@ -19,28 +23,53 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from yirage.compiler.cache import CacheError, cache_root, check_tree, private_dir, private_root, write_private
+from yirage.compiler.cache import CacheError, cache_root, check_tree, write_private
 from yirage.compiler.kernel_ir import KernelPlan
+from yirage.compiler.stages import Artifact, compile_cached
 from yirage.errors import YirageError
 from yirage_backend_cpu.render import render_module
 from yirage_backend_cpu.sources import backend_fingerprint
 from yirage_backend_cpu.threads import guard
 
-__all__ = ["CacheError", "CompileError", "backend_fingerprint", "cache_root", "compile_plan"]
+__all__ = ["CacheError", "CompileError", "backend_fingerprint", "build", "cache_root", "compile_plan", "load",
+           "render"]
 
 logger = logging.getLogger("yirage.cpu")
 
+SOURCE_NAME = "kernels.py"
 
-def _write_if_changed(path: Path, source: str) -> None:
+
+def render(plan: KernelPlan, fingerprint: str) -> str:
+    """Stage 1: the numba module of ``plan``; its header names ``fingerprint`` (version + sources)."""
+    return render_module(plan, fingerprint)
+
+
+def build(source: str, workdir: Path) -> Path:
+    """Stage 2: write the module; an identical file is left alone so numba's cache stamp stays valid."""
+    path = workdir / SOURCE_NAME
     try:
         current = path.read_text(encoding="utf-8") if path.exists() else None
     except (OSError, UnicodeDecodeError):
-        current = "<unreadable>"
-    if current == source:
-        return
-    if current is not None:
-        logger.warning("compile-cache file %s differed from its rendering (corrupted or edited); rewriting it", path)
-    write_private(path, source)
+        current = None
+    if current != source:
+        write_private(path, source)
+    return path
+
+
+def load(artifact: Artifact) -> Callable[[Any], list[Any]]:
+    """Stage 3: import the module (numba compiles or loads its cache) and guard its launcher."""
+    with _LOCK:
+        return guard(_load(f"yirage_cpu_plan_{artifact.key}", artifact.path))
+
+
+def _digest(data: bytes) -> str:
+    """The cache-key hash (module-level so that tests/test_compile_cache.py can force a collision)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def compile_plan(backend: Any, plan: KernelPlan) -> Callable[[Any], list[Any]]:
+    """render -> build (on a cache miss) -> load, through the core's one cache."""
+    return compile_cached(backend, plan, digest=_digest)
 
 
 _LOCK = threading.Lock()  # numba compiles while the module executes: one import at a time
@@ -48,17 +77,6 @@ _LOCK = threading.Lock()  # numba compiles while the module executes: one import
 
 class CompileError(YirageError, RuntimeError):
     """numba could not compile a rendered plan: a renderer bug or an unsupported input, not a cache problem."""
-
-
-def compile_plan(plan: KernelPlan, version: str) -> tuple[Callable[[Any], list[Any]], Path]:
-    source = render_module(plan, f"{version}+{backend_fingerprint()}")
-    key = hashlib.sha256(source.encode()).hexdigest()[:24]
-    root = private_root()
-    entry = private_dir(private_dir(root / "cpu") / key)
-    path = entry / "kernels.py"
-    with _LOCK:
-        _write_if_changed(path, source)
-        return guard(_load(f"yirage_cpu_plan_{key}", path)), path
 
 
 def numba_cache_dirs(path: Path) -> list[Path]:

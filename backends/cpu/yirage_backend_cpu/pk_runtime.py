@@ -19,7 +19,6 @@ not committed: ``tokens``/``step`` hold exactly the steps completed.
 
 from __future__ import annotations
 
-import math
 import os
 import queue
 import threading
@@ -30,123 +29,39 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from yirage.errors import NotSupportedError
 from yirage.persistent import shutdown
 from yirage.persistent.guard import Snapshot, check_tensor
+from yirage.persistent.layers import LayerError
+from yirage.persistent.program import PersistentProgram
+from yirage.persistent.specs import FloatCol, IntCol, kind_code
 from yirage_backend_cpu.atomics import atomic_add, atomic_load, atomic_store, cycle_counter
-from yirage_backend_cpu.kernel_lib import fsilu, rfma
 from yirage_backend_cpu.pk_tasks import (
+    ATTN,
     BF16,
+    BODIES,
+    C_HEAD_DIM,
+    C_K,
+    C_KIND,
+    C_N,
+    C_SEQ,
+    ERR_ROW,
+    ERR_TOKEN,
+    ERR_VALUE,
+    ERROR,
     F16,
     F32,
     I64,
     OPTS,
-    argmax_row,
-    attention,
-    f32s,
+    STOP,
+    check_compiled_layout,
+    execute,
     i64s,
-    linear,
-    load,
-    sample_row,
 )
 from yirage_backend_cpu.sources import tie_caches_to_sources
 from yirage_backend_cpu.threads import check_fork, serialized
 
-EMBED, RMSLIN, ATTN, LINRES, SILURES, ARGMAX, SAMPLE = range(7)
-KINDS = {"embed": EMBED, "rmsnorm_linear": RMSLIN, "attention": ATTN, "linear_with_residual": LINRES,
-         "silu_mul_linear_with_residual": SILURES, "argmax": ARGMAX, "sample": SAMPLE}
 DTYPES = {"float32": F32, "bfloat16": BF16, "float16": F16, "int64": I64}
-STOP, ERROR, ERR_VALUE, ERR_ROW = range(4)  # flags slots
-ERR_TOKEN = 1  # flags[ERROR]: a token id outside the embed table
-
-
-@njit(**OPTS)
-def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scratch, step, tokens, tok_cols,
-            none, flags):  # type: ignore[no-untyped-def]
-    layer = task_layer[task]
-    t = task_index[task]
-    kind = lp[layer, 0]
-    out_id = lp[layer, 1]
-    n = lp[layer, 8]
-    tasks = lp[layer, 9]
-    k = lp[layer, 7]
-    if kind == ARGMAX or kind == SAMPLE:
-        logits = f32s(addr[lp[layer, 2]], tnum[lp[layer, 2]])
-        picked = i64s(addr[out_id], batch)
-        for b in range(batch):
-            if kind == ARGMAX:
-                picked[b] = argmax_row(logits, b * k, k)
-            else:
-                # seeded by position, so a run repeats whatever ran before it
-                state = np.uint64(lp[layer, 15] * 1000003 + step[b] * 7919 + b * 104729 + 1)
-                picked[b] = sample_row(logits, b * k, k, lf[layer, 1], lp[layer, 14], lf[layer, 2], state)
-        return
-    out = f32s(addr[out_id], tnum[out_id])
-    cols = n // tasks
-    n0 = t * cols
-    if kind == EMBED:
-        wid = lp[layer, 3]
-        rows = tnum[wid] // n
-        for b in range(batch):
-            tok = tokens[b * tok_cols + step[b]]
-            if tok < 0 or tok >= rows:  # never read outside the table: stop the run with an error instead
-                flags[ERR_VALUE] = tok
-                flags[ERR_ROW] = b
-                flags[ERROR] = ERR_TOKEN
-                atomic_store(flags, STOP, 1)
-                continue
-            if tdt[wid] == F32:
-                src = f32s(addr[wid], tnum[wid])
-                for i in range(cols):
-                    out[b * n + n0 + i] = src[tok * n + n0 + i]
-            else:
-                xs = scratch[:cols]
-                linear_widen(addr[wid], tdt[wid], tok * n + n0, cols, xs)
-                for i in range(cols):
-                    out[b * n + n0 + i] = xs[i]
-    elif kind == RMSLIN:
-        x = f32s(addr[lp[layer, 2]], batch * k)
-        g = f32s(addr[lp[layer, 4]], k)
-        xs = scratch[:batch * k]
-        eps = lf[layer, 0]
-        for b in range(batch):
-            ss = np.float32(0)
-            for i in range(k):
-                v = x[b * k + i]
-                ss = rfma(ss, v, v)
-            inv = np.float32(1.0) / math.sqrt(ss / np.float32(k) + np.float32(eps))
-            for i in range(k):
-                xs[b * k + i] = x[b * k + i] * inv * g[i]
-        bias = f32s(addr[lp[layer, 5]], n) if lp[layer, 5] >= 0 else none
-        linear(xs, batch, k, addr[lp[layer, 3]], tdt[lp[layer, 3]], n0, n0 + cols, out, n, none, bias)
-    elif kind == LINRES:
-        x = f32s(addr[lp[layer, 2]], batch * k)
-        res = f32s(addr[lp[layer, 4]], batch * n)
-        linear(x, batch, k, addr[lp[layer, 3]], tdt[lp[layer, 3]], n0, n0 + cols, out, n, res, none)
-    elif kind == SILURES:
-        gu = f32s(addr[lp[layer, 2]], batch * 2 * k)
-        res = f32s(addr[lp[layer, 4]], batch * n)
-        xs = scratch[:batch * k]
-        for b in range(batch):
-            for i in range(k):
-                a = gu[b * 2 * k + i]
-                xs[b * k + i] = fsilu(a) * gu[b * 2 * k + k + i]
-        linear(xs, batch, k, addr[lp[layer, 3]], tdt[lp[layer, 3]], n0, n0 + cols, out, n, res, none)
-    else:  # ATTN
-        kv_heads, group, d, seq = lp[layer, 10], lp[layer, 11], lp[layer, 12], lp[layer, 13]
-        b = t // kv_heads
-        g = t - b * kv_heads
-        qkv = f32s(addr[lp[layer, 2]], tnum[lp[layer, 2]])
-        kc = f32s(addr[lp[layer, 3]], tnum[lp[layer, 3]])
-        vc = f32s(addr[lp[layer, 4]], tnum[lp[layer, 4]])
-        cos = f32s(addr[lp[layer, 5]], tnum[lp[layer, 5]])
-        sin = f32s(addr[lp[layer, 6]], tnum[lp[layer, 6]])
-        attention(qkv, b, g, group, d, step[b], kc, vc, seq, kv_heads, cos, sin, out, n, scratch)
-
-
-@njit(**OPTS)
-def linear_widen(address, dtype, start, count, dst):  # type: ignore[no-untyped-def]
-    for i in range(count):
-        dst[i] = load(address, start + i, dtype)
 
 
 @njit(**OPTS)
@@ -270,72 +185,52 @@ def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 class CPUPersistentRuntime:
-    """Lays the PersistentKernel's tensors and task graph out as arrays for ``decode``."""
+    """Lays the frozen program's tensors, descriptors and task graph out as arrays for ``decode``."""
 
-    def __init__(self, pk: Any, config: dict[str, int]) -> None:
+    def __init__(self, program: PersistentProgram, config: dict[str, int]) -> None:
         import torch
 
-        from yirage.errors import NotSupportedError
-
-        graph = pk.task_graph
-        self.pk, self.config = pk, config
-        if pk.tokens.dtype != torch.int64 or pk.step.dtype != torch.int64:
+        check_compiled_layout(globals())
+        graph = program.task_graph
+        self.program, self.config = program, config
+        if program.tokens.dtype != torch.int64 or program.step.dtype != torch.int64:
             raise NotSupportedError("the CPU PersistentKernel runtime needs int64 step and tokens tensors; "
                                     "create them with dtype=torch.int64")
+        unknown = sorted({layer.kind for layer in program.layers if kind_code(layer.kind) not in BODIES})
+        if unknown:
+            raise NotSupportedError(f"the CPU PersistentKernel runtime has no task body for layer kinds {unknown}; "
+                                    "add them to pk_runtime.execute, or use backend='reference'")
         self.keep: list[Any] = []
-        names = list(pk.tensors)
+        names = [t.name for t in program.tensors]  # position = PKTensor.index, the numbers descriptors hold
         addr, tdt, tnum = [], [], []
-        for name in names:
-            t = pk.tensors[name]
+        for t in program.tensors:
             if t.attached:
-                value = pk.torch_tensors[name]
+                value = program.values[t.name]
                 if value.dim() == 1 and value.dtype != torch.float32:
                     value = value.float()  # norms and biases: tiny, read once per task
             else:  # device="cpu": an ambient torch.device("meta") context must not move the kernel's memory
                 value = torch.zeros(t.dims, dtype=torch.int64 if t.dtype.startswith("int") else torch.float32,
                                     device="cpu")
             if str(value.dtype).removeprefix("torch.") not in DTYPES:
-                raise NotSupportedError(f"tensor {name!r} has dtype {value.dtype}, which the CPU runtime cannot read")
-            if value is not pk.torch_tensors.get(name):  # made here: the same checks as the user's tensors
-                check_tensor(value, f"the CPU runtime's buffer for {name!r}", "cpu", written=not t.attached)
+                raise NotSupportedError(f"tensor {t.name!r} has dtype {value.dtype}, which the CPU runtime cannot "
+                                        "read")
+            if value is not program.values.get(t.name):  # made here: the same checks as the user's tensors
+                check_tensor(value, f"the CPU runtime's buffer for {t.name!r}", "cpu", written=not t.attached)
             self.keep.append(value)
             addr.append(value.data_ptr())
             tdt.append(DTYPES[str(value.dtype).removeprefix("torch.")])
             tnum.append(value.numel())
         self.values = dict(zip(names, self.keep, strict=True))
-        index = {name: i for i, name in enumerate(names)}
         self.addr, self.tdt, self.tnum = (np.array(v, np.int64) for v in (addr, tdt, tnum))
-        self.lp = np.full((len(pk.layers), 16), -1, np.int64)
-        self.lf = np.zeros((len(pk.layers), 4), np.float64)
+        # the core encoder's rows, copied: decode reads them, and the program stays untouched
+        self.lp = np.array(program.descriptors.ints, np.int64).reshape(len(program.layers), len(IntCol))
+        self.lf = np.array(program.descriptors.floats, np.float64).reshape(len(program.layers), len(FloatCol))
         scratch = 1
-        for layer in pk.layers:
-            row, ins = self.lp[layer.index], layer.inputs
-            row[0], row[1], row[9] = KINDS[layer.kind], index[layer.output.name], layer.tasks
-            row[8] = layer.output.dims[1]
-            roles = {"embed": ("input", "weight"), "rmsnorm_linear": ("input", "weight_linear", "weight_norm", "bias"),
-                     "linear_with_residual": ("input", "weight", "residual"),
-                     "silu_mul_linear_with_residual": ("input", "weight", "residual"),
-                     "attention": ("input", "k_cache", "v_cache", "cos", "sin"),
-                     "argmax": ("input",), "sample": ("input",)}[layer.kind]
-            for col, role in zip((2, 3, 4, 5, 6), roles, strict=False):
-                if role in ins:
-                    row[col] = index[ins[role].name]
-            if layer.kind in ("rmsnorm_linear", "linear_with_residual"):
-                row[7] = ins["input"].dims[1]
-            elif layer.kind == "silu_mul_linear_with_residual":
-                row[7] = ins["input"].dims[1] // 2
-            elif layer.kind in ("argmax", "sample"):
-                row[7] = ins["input"].dims[1]
-            if layer.kind == "attention":
-                p = layer.params
-                row[10], row[11], row[12], row[13] = p["kv_heads"], p["group"], p["head_dim"], ins["k_cache"].dims[2]
-                scratch = max(scratch, p["head_dim"] + ins["k_cache"].dims[2])
-            else:
-                scratch = max(scratch, pk.batch * max(int(row[7]), 1), int(row[8]))
-            if layer.kind == "sample":
-                row[14], row[15] = layer.params["top_k"], layer.params["seed"]
-                self.lf[layer.index, 1], self.lf[layer.index, 2] = layer.params["temperature"], layer.params["top_p"]
-            self.lf[layer.index, 0] = layer.params.get("eps", 0.0)
+        for row in self.lp:
+            if row[C_KIND] == ATTN:  # the rotated query and one score per cached position
+                scratch = max(scratch, int(row[C_HEAD_DIM] + row[C_SEQ]))
+            else:  # the normalized / gated input rows, or one widened row of the embed table
+                scratch = max(scratch, program.batch * max(int(row[C_K]), 1), int(row[C_N]))
         self.graph_arrays = (
             np.array(graph.task_layer, np.int64), np.array(graph.task_index, np.int64), *_csr(graph.task_events),
             np.array(graph.task_waits, np.int64), np.array(graph.event_trigger, np.int64), *_csr(graph.event_gates),
@@ -344,19 +239,19 @@ class CPUPersistentRuntime:
         self.schedulers = int(config["num_local_schedulers"])
         self.scr = scratch
         self.scratch = np.zeros(max(1, self.workers + self.schedulers) * scratch, np.float32)
-        self.ids = (index["tokens"], pk.tokens.shape[1], self._step_id(index), index[pk.layers[-1].output.name])
+        self.ids = (program.tokens_id, program.tokens.shape[1], self._step_id(), program.pick_id)
         self.steps_run = np.zeros(1, np.int64)
         self.flags = np.zeros(4, np.int64)  # STOP, ERROR, ERR_VALUE, ERR_ROW (see the module docstring)
         self.last_profile: np.ndarray | None = None
         # every address in the table, re-checked before each run (the kernel checks the user's tensors too)
         self.snapshot = Snapshot([*zip([*names, "step"], self.keep, strict=True)])
 
-    def _step_id(self, index: dict[str, int]) -> int:
+    def _step_id(self) -> int:
         """The step meta tensor is not a named PK tensor: give the kernel its address."""
-        self.keep.append(self.pk.step)
-        self.addr = np.append(self.addr, self.pk.step.data_ptr())
+        self.keep.append(self.program.step)
+        self.addr = np.append(self.addr, self.program.step.data_ptr())
         self.tdt = np.append(self.tdt, I64)
-        self.tnum = np.append(self.tnum, self.pk.step.numel())
+        self.tnum = np.append(self.tnum, self.program.step.numel())
         return len(self.addr) - 1
 
     def value(self, name: str) -> Any:
@@ -384,18 +279,18 @@ class CPUPersistentRuntime:
         GIL) while this thread waits in short slices, so Ctrl-C stops the run
         between tasks and raises KeyboardInterrupt here within milliseconds.
         """
-        pk = self.pk
+        program = self.program
         self.snapshot.verify()
         profile = np.zeros(0, np.int64)
-        if pk.profiler_tensor is not None:
-            profile = np.zeros(3 * pk.task_graph.num_tasks, np.int64)
+        if program.profiler_tensor is not None:
+            profile = np.zeros(3 * program.task_graph.num_tasks, np.int64)
         threads, workers, schedulers = self.effective()
         tokens_id, tok_cols, step_id, pick_id = self.ids
-        limit = pk.max_seq_length if max_new_tokens is None else int(max_new_tokens)
+        limit = program.max_seq_length if max_new_tokens is None else int(max_new_tokens)
         self.flags[:] = 0
         args = (self.addr, self.tdt, self.tnum, self.lp, self.lf, *self.graph_arrays, workers, schedulers, limit,
-                np.array(pk.eos_token_ids or [-1], np.int64), pk.max_seq_length, pk.batch, tokens_id, tok_cols,
-                step_id, pick_id, self.scratch, self.scr, profile, self.steps_run, self.flags)
+                np.array(program.eos_token_ids or [-1], np.int64), program.max_seq_length, program.batch, tokens_id,
+                tok_cols, step_id, pick_id, self.scratch, self.scr, profile, self.steps_run, self.flags)
         check_fork()
         # registered while in flight: if the main thread dies (Ctrl-C), the exit hook stops this decode
         with shutdown.decoding(self), serialized():  # serialized: only on a threading layer that needs it
@@ -407,8 +302,6 @@ class CPUPersistentRuntime:
                 steps = _decode_with_threads(threads, args)
         ns_per_cycle = (time.perf_counter_ns() - wall) / max(1, _cycles() - cycles)
         if self.flags[ERROR] == ERR_TOKEN:
-            from yirage.persistent.layers import LayerError
-
             row, tok = int(self.flags[ERR_ROW]), int(self.flags[ERR_VALUE])
             raise LayerError(f"tokens[{row}, step[{row}]] = {tok} is not a row of the embed table; decoding stopped "
                              "before reading it (tokens/step hold the steps completed). Keep token ids within the "
@@ -418,8 +311,8 @@ class CPUPersistentRuntime:
         if profile.shape[0]:
             starts = profile[0::3]
             origin = int(starts[starts > 0].min()) if (starts > 0).any() else 0
-            out = pk.profiler_tensor.view(-1)
-            n = pk.task_graph.num_tasks
+            out = program.profiler_tensor.view(-1)
+            n = program.task_graph.num_tasks
             for task in range(min(n, out.numel() // 3)):
                 out[3 * task] = int((profile[3 * task] - origin) * ns_per_cycle)
                 out[3 * task + 1] = int((profile[3 * task + 1] - origin) * ns_per_cycle)

@@ -4,24 +4,62 @@ Every tensor is reached through its address (``tensor.data_ptr()``) in one
 table, so one compiled function can touch every weight, activation and the
 KV caches. Weights may be float32, bfloat16 or float16; narrow ones are
 widened to float32 in registers, so a decode step streams half the bytes.
+
+``execute`` runs one task: it reads its layer through the core encoder's
+descriptor row (``lp``/``lf``, columns named by yirage.persistent.specs) and
+calls the kind's body. This file is what the CPU backend adds to the core's
+LayerSpec table; the scheduling loop lives in pk_runtime.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numba
 import numpy as np
 from numba import njit
+from numba.core.registry import CPUDispatcher
 
-from yirage_backend_cpu.kernel_lib import FASTMATH, as_pointer, fexp, fmax, half_to_float, racc, rfma
+from yirage.persistent.specs import LAYER_SPECS, FloatCol, IntCol, kind_code, layout_fingerprint
+from yirage_backend_cpu.atomics import atomic_store
+from yirage_backend_cpu.kernel_lib import FASTMATH, as_pointer, fexp, fmax, fsilu, half_to_float, racc, rfma
 from yirage_backend_cpu.sources import tie_caches_to_sources
 
 U = np.uint64
 F = np.float32
 OPTS = {"fastmath": FASTMATH, "error_model": "numpy", "nogil": True, "cache": True}
 
-F32, BF16, F16, I64 = 0, 1, 2, 3
+F32, BF16, F16, I64 = 0, 1, 2, 3  # tensor dtype codes of the address table
+STOP, ERROR, ERR_VALUE, ERR_ROW = range(4)  # flags slots
+ERR_TOKEN = 1  # flags[ERROR]: a token id outside the embed table
+
+# Kind codes and descriptor columns come from the core's LayerSpec table (yirage.persistent.specs); numba
+# freezes these module globals into the compiled code, and LAYOUT makes a changed table recompile it.
+EMBED, RMSLIN, ATTN, LINRES, SILURES, ARGMAX, SAMPLE = (kind_code(k) for k in (
+    "embed", "rmsnorm_linear", "attention", "linear_with_residual", "silu_mul_linear_with_residual", "argmax",
+    "sample"))
+BODIES = frozenset({EMBED, RMSLIN, ATTN, LINRES, SILURES, ARGMAX, SAMPLE})  # the kinds execute() has a body for
+C_KIND, C_OUT, C_K, C_N, C_TASKS = (int(c) for c in (IntCol.KIND, IntCol.OUTPUT, IntCol.K, IntCol.N, IntCol.TASKS))
+C_KV_HEADS, C_GROUP, C_HEAD_DIM, C_SEQ = (int(c) for c in (IntCol.KV_HEADS, IntCol.GROUP, IntCol.HEAD_DIM,
+                                                           IntCol.CACHE_SEQ))
+C_TOP_K, C_SEED = int(IntCol.TOP_K), int(IntCol.SEED)
+F_EPS, F_TEMPERATURE, F_TOP_P = (int(c) for c in (FloatCol.EPS, FloatCol.TEMPERATURE, FloatCol.TOP_P))
+
+
+def _columns(kind: str, *roles: str) -> tuple[int, ...]:
+    return tuple(int(LAYER_SPECS[kind].column(role)) for role in roles)
+
+
+(PICK_X,) = _columns("argmax", "input")
+if _columns("sample", "input") != (PICK_X,):
+    raise AssertionError("argmax and sample must keep their input in the same descriptor column")
+(EMB_W,) = _columns("embed", "weight")
+RMS_X, RMS_W, RMS_NORM, RMS_BIAS = _columns("rmsnorm_linear", "input", "weight_linear", "weight_norm", "bias")
+LIN_X, LIN_W, LIN_RES = _columns("linear_with_residual", "input", "weight", "residual")
+SILU_X, SILU_W, SILU_RES = _columns("silu_mul_linear_with_residual", "input", "weight", "residual")
+ATT_QKV, ATT_KC, ATT_VC, ATT_COS, ATT_SIN = _columns("attention", "input", "k_cache", "v_cache", "cos", "sin")
+LAYOUT = layout_fingerprint()
 
 
 @njit(inline="always", **OPTS)
@@ -276,6 +314,128 @@ def sample_row(logits, base, vocab, temperature, top_k, top_p, state):  # type: 
         if draw <= 0.0:
             return order[r]
     return order[cut - 1]
+
+
+# -- one task of any layer: the descriptor row (named columns above) picks the body -------------
+
+
+@njit(**OPTS)
+def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scratch, step, tokens, tok_cols,
+            none, flags):  # type: ignore[no-untyped-def]
+    layer = task_layer[task]
+    t = task_index[task]
+    kind = lp[layer, C_KIND]
+    out_id = lp[layer, C_OUT]
+    n = lp[layer, C_N]
+    tasks = lp[layer, C_TASKS]
+    k = lp[layer, C_K]
+    if kind == ARGMAX or kind == SAMPLE:
+        logits = f32s(addr[lp[layer, PICK_X]], tnum[lp[layer, PICK_X]])
+        picked = i64s(addr[out_id], batch)
+        for b in range(batch):
+            if kind == ARGMAX:
+                picked[b] = argmax_row(logits, b * k, k)
+            else:
+                # seeded by position, so a run repeats whatever ran before it
+                state = np.uint64(lp[layer, C_SEED] * 1000003 + step[b] * 7919 + b * 104729 + 1)
+                picked[b] = sample_row(logits, b * k, k, lf[layer, F_TEMPERATURE], lp[layer, C_TOP_K],
+                                       lf[layer, F_TOP_P], state)
+        return
+    out = f32s(addr[out_id], tnum[out_id])
+    cols = n // tasks
+    n0 = t * cols
+    if kind == EMBED:
+        wid = lp[layer, EMB_W]
+        rows = tnum[wid] // n
+        for b in range(batch):
+            tok = tokens[b * tok_cols + step[b]]
+            if tok < 0 or tok >= rows:  # never read outside the table: stop the run with an error instead
+                flags[ERR_VALUE] = tok
+                flags[ERR_ROW] = b
+                flags[ERROR] = ERR_TOKEN
+                atomic_store(flags, STOP, 1)
+                continue
+            if tdt[wid] == F32:
+                src = f32s(addr[wid], tnum[wid])
+                for i in range(cols):
+                    out[b * n + n0 + i] = src[tok * n + n0 + i]
+            else:
+                xs = scratch[:cols]
+                linear_widen(addr[wid], tdt[wid], tok * n + n0, cols, xs)
+                for i in range(cols):
+                    out[b * n + n0 + i] = xs[i]
+    elif kind == RMSLIN:
+        x = f32s(addr[lp[layer, RMS_X]], batch * k)
+        g = f32s(addr[lp[layer, RMS_NORM]], k)
+        xs = scratch[:batch * k]
+        eps = lf[layer, F_EPS]
+        for b in range(batch):
+            ss = np.float32(0)
+            for i in range(k):
+                v = x[b * k + i]
+                ss = rfma(ss, v, v)
+            inv = np.float32(1.0) / math.sqrt(ss / np.float32(k) + np.float32(eps))
+            for i in range(k):
+                xs[b * k + i] = x[b * k + i] * inv * g[i]
+        bias = f32s(addr[lp[layer, RMS_BIAS]], n) if lp[layer, RMS_BIAS] >= 0 else none
+        linear(xs, batch, k, addr[lp[layer, RMS_W]], tdt[lp[layer, RMS_W]], n0, n0 + cols, out, n, none, bias)
+    elif kind == LINRES:
+        x = f32s(addr[lp[layer, LIN_X]], batch * k)
+        res = f32s(addr[lp[layer, LIN_RES]], batch * n)
+        linear(x, batch, k, addr[lp[layer, LIN_W]], tdt[lp[layer, LIN_W]], n0, n0 + cols, out, n, res, none)
+    elif kind == SILURES:
+        gu = f32s(addr[lp[layer, SILU_X]], batch * 2 * k)
+        res = f32s(addr[lp[layer, SILU_RES]], batch * n)
+        xs = scratch[:batch * k]
+        for b in range(batch):
+            for i in range(k):
+                a = gu[b * 2 * k + i]
+                xs[b * k + i] = fsilu(a) * gu[b * 2 * k + k + i]
+        linear(xs, batch, k, addr[lp[layer, SILU_W]], tdt[lp[layer, SILU_W]], n0, n0 + cols, out, n, res, none)
+    else:  # ATTN
+        kv_heads, group, d, seq = lp[layer, C_KV_HEADS], lp[layer, C_GROUP], lp[layer, C_HEAD_DIM], lp[layer, C_SEQ]
+        b = t // kv_heads
+        g = t - b * kv_heads
+        qkv = f32s(addr[lp[layer, ATT_QKV]], tnum[lp[layer, ATT_QKV]])
+        kc = f32s(addr[lp[layer, ATT_KC]], tnum[lp[layer, ATT_KC]])
+        vc = f32s(addr[lp[layer, ATT_VC]], tnum[lp[layer, ATT_VC]])
+        cos = f32s(addr[lp[layer, ATT_COS]], tnum[lp[layer, ATT_COS]])
+        sin = f32s(addr[lp[layer, ATT_SIN]], tnum[lp[layer, ATT_SIN]])
+        attention(qkv, b, g, group, d, step[b], kc, vc, seq, kv_heads, cos, sin, out, n, scratch)
+
+
+@njit(**OPTS)
+def linear_widen(address, dtype, start, count, dst):  # type: ignore[no-untyped-def]
+    for i in range(count):
+        dst[i] = load(address, start + i, dtype)
+
+
+@njit(cache=True)
+def _compiled_layout():  # type: ignore[no-untyped-def]
+    return LAYOUT
+
+
+_layout_checked = False
+
+
+def check_compiled_layout(runtime_namespace: dict[str, Any]) -> None:
+    """Recompile this module's cached functions if they were compiled for another descriptor layout.
+
+    numba re-validates a cache entry by the stamp of this file (and the backend's sources), not by the
+    core's LayerSpec table, whose column numbers it froze into the code; ``_compiled_layout`` is cached
+    alongside ``execute`` and ``decode`` and returns the layout they were compiled with.
+    """
+    global _layout_checked
+    if _layout_checked:
+        return
+    if _compiled_layout() != LAYOUT:
+        for namespace in (globals(), runtime_namespace):  # execute() is compiled into pk_runtime's decode too
+            for value in list(namespace.values()):
+                if isinstance(value, CPUDispatcher) and value.__module__ == namespace["__name__"]:
+                    value.recompile()  # flushes its cache entries too
+        if _compiled_layout() != LAYOUT:
+            raise AssertionError("the recompiled PK runtime still reports the old descriptor layout")
+    _layout_checked = True
 
 
 tie_caches_to_sources(globals())  # after every cached function above is defined

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from yirage.codegen.emit import Emitter
+from yirage.codegen.exprs import compute_type, expr_cost, has_rotate
 from yirage.compiler.indexing import broadcast_strides, coalesce
 from yirage.compiler.kernel_ir import Attention, Buffer, Embedding, KernelPlan, Load, Matmul, Pointwise, Row
 from yirage.graph.kernel_graph import contiguous_strides
@@ -19,16 +21,12 @@ from yirage_backend_cpu.codegen import (
     PARALLEL_MIN_WORK,
     POINTWISE_CHUNK,
     RENDERER_VERSION,
-    Emitter,
     acc_src,
     at,
-    compute_type,
     const,
     decompose,
-    expr_cost,
     expr_src,
     fma_src,
-    has_rotate,
     kernel_def,
     offset,
     outer_loop,

@@ -10,23 +10,24 @@ module, so any change to any of them recompiles them all.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 from pathlib import Path
 from typing import Any
 
+from yirage.codegen.fingerprint import source_fingerprint
+
 logger = logging.getLogger("yirage.cpu")
 
 
-@functools.cache
 def backend_fingerprint() -> str:
-    """Hash of the backend's own sources (generated kernels and cached functions depend on all of them)."""
-    here = Path(__file__).parent
-    digest = hashlib.sha256()
-    for f in sorted(here.glob("*.py")):
-        digest.update(f.read_bytes())
-    return digest.hexdigest()[:16]
+    """Hash of the backend's own sources and of the core's descriptor layout (the decode loop reads its columns).
+
+    Generated kernels and cached functions depend on all of them.
+    """
+    from yirage.persistent import specs
+
+    return source_fingerprint(Path(__file__).parent) + "-" + source_fingerprint(Path(specs.__file__).parent,
+                                                                               Path(specs.__file__).name)
 
 
 _checked: set[str] = set()

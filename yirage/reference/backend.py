@@ -1,7 +1,8 @@
 """The reference backend: torch eager on the CPU, the oracle for every test.
 
-It lives in the core, is always registered (even with plugin autoload off)
-and is always available where torch is.
+It lives in the core, in one package with the graph runner and the
+PersistentKernel runtime it runs, is always registered (even with plugin
+autoload off) and is always available where torch is.
 """
 
 from __future__ import annotations
@@ -37,16 +38,16 @@ class ReferenceBackend(Backend):
 
     kernel_dtypes = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
 
-    def persistent_runtime(self, task_graph: Any, config: Any) -> Any:
-        from yirage.persistent.reference import ReferenceRuntime
+    def persistent_runtime(self, program: Any, config: Any) -> Any:
+        from yirage.reference.persistent import ReferenceRuntime
 
-        return ReferenceRuntime(task_graph, config)
+        return ReferenceRuntime(program, config)
 
     def default_config(self, device: DeviceInfo) -> dict[str, int]:
         return {"num_workers": 1, "num_local_schedulers": 1}  # it runs one task at a time
 
     def compile(self, plan: Any, graph: Any) -> Any:
-        from yirage.graph.reference import run_reference
+        from yirage.reference.graph import run_reference
 
         def run(inputs: Any) -> list[Any]:
             return run_reference(graph, inputs)

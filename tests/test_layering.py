@@ -1,0 +1,205 @@
+"""The core's layers depend one way: graph -> compiler -> codegen -> backend -> runtime/persistent -> ... .
+
+Every module under yirage/ is parsed (not imported) and every import in it is
+checked, including imports inside functions and ``TYPE_CHECKING`` blocks and
+``importlib.import_module("yirage...")`` calls: a lazy import is still a
+dependency. The known exceptions are listed in ALLOWED with their reason, so
+the test passes and shows the debt.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import yirage
+
+PACKAGE = Path(yirage.__file__).resolve().parent
+
+#: Low to high. A module may import its own package and any package of a strictly lower layer; packages
+#: that share a layer are independent of each other. Names are packages or modules under yirage.
+LAYERS: list[tuple[str, ...]] = [
+    ("yirage.errors", "yirage.log", "yirage.locks", "yirage.system"),  # leaves: no yirage imports
+    ("yirage.config",),
+    ("yirage.graph",),  # pure IR: dtypes, ops, KernelGraph, JSON
+    ("yirage.compiler",),  # fusion, kernel IR, lowering, the build cache
+    ("yirage.codegen",),  # backend-neutral code generation over the kernel IR
+    ("yirage.backend",),  # the Backend interface, plugins, discovery, selection
+    ("yirage.runtime", "yirage.persistent"),  # executables of kernel graphs; the PersistentKernel
+    ("yirage.reference",),  # the oracle: graph runner, reference backend, reference PersistentKernel runtime
+    ("yirage.models",),
+    ("yirage.engine",),
+    ("yirage",),  # the public API (yirage/__init__.py only: ``import yirage as yr``)
+    ("yirage.testing", "yirage.cli"),  # the conformance kit and the CLI, written against the API
+    ("yirage.__main__",),
+]
+
+#: (importing module, imported module) -> why it is allowed for now. Keep it short; each one is debt.
+ALLOWED: dict[tuple[str, str], str] = {
+    ("yirage.backend.plugins", "yirage.reference.backend"):
+        "discovery registers the built-in oracle plugin; it should load it by module name, as it loads "
+        "every other plugin's entry point",
+}
+
+
+def _layer_of(module: str) -> tuple[int, str]:
+    """The layer index of ``module`` and the package of LAYERS it belongs to (the longest that holds it)."""
+    holders = [(len(package), index, package) for index, layer in enumerate(LAYERS) for package in layer
+               if module == package or (package != "yirage" and module.startswith(package + "."))]
+    if not holders:
+        raise AssertionError(
+            f"{module} is in no layer of tests/test_layering.py: add its package to LAYERS where it belongs"
+        )
+    _, index, package = max(holders)
+    return index, package
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The absolute module an ``from ... import`` statement reads from."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imported(tree: ast.AST, module: str, is_package: bool) -> Iterator[tuple[int, str]]:
+    """Every yirage module ``tree`` imports, with its line: ``from yirage import config`` is yirage.config."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(node, module, is_package)
+            for alias in node.names:
+                candidate = f"{source}.{alias.name}"
+                sub = PACKAGE.parent.joinpath(*candidate.split("."))
+                is_module = sub.is_dir() or sub.with_suffix(".py").exists()
+                yield node.lineno, candidate if is_module else source
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                yield node.lineno, node.args[0].value
+
+
+def violations() -> list[str]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        is_package = path.name == "__init__.py"
+        mine, own = _layer_of(module)
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for line, target in _imported(tree, module, is_package):
+            if target != "yirage" and not target.startswith("yirage."):
+                continue
+            theirs, other = _layer_of(target)
+            if other == own or theirs < mine or (module, target) in ALLOWED:
+                continue
+            where = "the same layer as" if theirs == mine else "a higher layer than"
+            found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {module} imports {target}, "
+                         f"which is in {where} {own}")
+    return found
+
+
+def test_the_core_depends_one_way() -> None:
+    found = violations()
+    assert not found, (
+        "imports against the layering (graph -> compiler -> codegen -> backend -> runtime/persistent -> "
+        "reference -> models -> engine -> API):\n  " + "\n  ".join(found) + "\nmove the code to the layer "
+        "that may see both, or pass the dependency in from above (as yirage.runtime installs the compiler "
+        "into KernelGraph); only if neither is possible yet, add the edge to ALLOWED with the reason"
+    )
+
+
+def test_every_allowed_edge_still_exists() -> None:
+    """An exception that is no longer needed is removed, so ALLOWED only ever lists real debt."""
+    edges = set()
+    for path in PACKAGE.rglob("*.py"):
+        module = _module_name(path)
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        edges |= {(module, target) for _, target in _imported(tree, module, path.name == "__init__.py")}
+    stale = [edge for edge in ALLOWED if edge not in edges]
+    assert not stale, f"remove these from ALLOWED, the imports are gone: {stale}"
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    ("from yirage.runtime.executable import Executable", True),
+    ("def f():\n    from yirage.backend.selection import resolve\n", True),  # a lazy import counts
+    ("import importlib\nimportlib.import_module('yirage.persistent.kernel')\n", True),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from yirage.backend import base\n", True),
+    ("from yirage.graph.ops import OPS\nfrom yirage.errors import YirageError\n", False),
+])
+def test_the_checker_sees_every_kind_of_import(source: str, expected: bool) -> None:
+    """The checker itself, on a module placed in the graph layer."""
+    targets = [t for _, t in _imported(ast.parse(source), "yirage.graph.example", False)]
+    upward = [t for t in targets if t.startswith("yirage.") and _layer_of(t)[0] > _layer_of("yirage.graph")[0]]
+    assert bool(upward) is expected, targets
+
+
+def test_a_kernel_graph_holds_no_executables() -> None:
+    """The graph is pure IR: compiling caches in the runtime layer, and executables never point back at it."""
+    import gc
+    import weakref
+
+    torch = pytest.importorskip("torch")
+    g = yirage.new_kernel_graph()
+    x = g.new_input((4,))
+    g.mark_output(g.exp(x))
+    exe = g.compile("reference")
+    assert not any("executable" in name for name in vars(g)), vars(g).keys()
+    assert exe.graph is not g and exe.graph == g
+    a = torch.linspace(-1.0, 1.0, 4)
+    torch.testing.assert_close(exe([a])[0], a.double().exp().float())
+
+    g.mark_output(g.relu(x))  # a change retires what was compiled before it
+    again = g.compile("reference")
+    assert again is not exe and len(again([a])) == 2 and len(exe([a])) == 1
+    assert g.compile("reference") is again
+
+    from yirage.runtime import graphs
+
+    dead = weakref.ref(g)
+    del g, x
+    gc.collect()
+    assert dead() is None, "the executable cache keeps a dropped graph alive"
+    assert all(entry.graph() is not None for entry in graphs._entries.values())
+
+
+def test_threads_compiling_one_graph_share_one_executable() -> None:
+    """The cache outside the graph stays thread-safe: racing compiles of one graph end with one executable."""
+    import threading
+
+    torch = pytest.importorskip("torch")
+    g = yirage.new_kernel_graph()
+    g.mark_output(g.sqrt(g.new_input((5,))))
+    barrier = threading.Barrier(6)
+    got: list[object] = []
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            barrier.wait(timeout=60)
+            got.append(g.compile("reference"))
+        except BaseException as exc:  # noqa: BLE001 - collected and re-raised in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert len(got) == 6 and all(exe is g.compile("reference") for exe in got)
+    a = torch.arange(5, dtype=torch.float32)
+    torch.testing.assert_close(got[0]([a])[0], a.double().sqrt().float())

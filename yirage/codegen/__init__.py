@@ -1,0 +1,7 @@
+"""Backend-neutral pieces of code generation that every renderer shares.
+
+``emit`` (indented source lines), ``indexing`` (flat-index arithmetic, spelled
+through a small syntax table), ``exprs`` (walking the kernel IR's expression
+trees) and ``fingerprint`` (a hash of a package's own sources, for cache keys).
+Pure Python: importing this package never imports numba or a device library.
+"""

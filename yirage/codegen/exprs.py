@@ -1,0 +1,65 @@
+"""Walking the kernel IR's expression trees: spelling, cost and properties.
+
+``spell_expr`` does the recursion every renderer needs and leaves the words to
+the caller's table of IR functions; a function missing from the table is a
+clear ``UnsupportedExprError`` naming the renderer and the function, never a
+``KeyError`` from deep inside rendering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from yirage.compiler.kernel_ir import Buffer, Call, Const, Expr, Load, Var
+from yirage.errors import NotSupportedError
+
+#: how one IR function is spelled, given its already-spelled arguments
+Spelling = Callable[[Sequence[str]], str]
+
+
+class UnsupportedExprError(NotSupportedError):
+    """A renderer met an IR function its spelling table does not cover."""
+
+
+def compute_type(buffer: Buffer) -> str:
+    """Floats narrower than 32 bits are widened to float32 at the boundary."""
+    name = buffer.dtype.name
+    return "float32" if name in ("float16", "bfloat16") else name
+
+
+def spell_expr(expr: Expr, *, load: Callable[[Load], str], var: Callable[[Var], str],
+               const: Callable[[Const], str], table: Mapping[str, Spelling], renderer: str) -> str:
+    """Spell ``expr`` bottom-up: leaves through ``load``/``var``/``const``, calls through ``table``."""
+    if isinstance(expr, Load):
+        return load(expr)
+    if isinstance(expr, Var):
+        return var(expr)
+    if isinstance(expr, Const):
+        return const(expr)
+    spell = table.get(expr.fn)
+    if spell is None:
+        raise UnsupportedExprError(
+            f"the {renderer} renderer has no spelling for the IR function {expr.fn!r} (it spells "
+            f"{', '.join(sorted(table))}); add it to the renderer's table, or compile with a backend "
+            "that supports it (e.g. backend='reference')")
+    return spell([spell_expr(a, load=load, var=var, const=const, table=table, renderer=renderer)
+                  for a in expr.args])
+
+
+_COSTLY = {"exp": 8, "silu": 8, "gelu": 12, "pow": 12, "sqrt": 2, "rsqrt": 2, "div": 2}
+
+
+def expr_cost(expr: Expr) -> int:
+    """Rough scalar-op count of one evaluation: transcendental calls weigh more."""
+    if isinstance(expr, Call):
+        return _COSTLY.get(expr.fn, 1) + sum(expr_cost(a) for a in expr.args)
+    return 1
+
+
+def has_rotate(expr: Expr) -> bool:
+    """Whether any load in ``expr`` reads through rotate_half (the rotary-embedding pairing)."""
+    if isinstance(expr, Load):
+        return expr.rotate_half
+    if isinstance(expr, Call):
+        return any(has_rotate(a) for a in expr.args)
+    return False

@@ -1,0 +1,167 @@
+"""Compile in stages with one cache: render -> build -> load, for every backend.
+
+A backend spells a plan as source (``render``), turns source into files in a
+work directory (``build``: a compiler run, or just writing the file for numba)
+and turns those files into a launcher (``load``). ``compile_cached`` is the
+only place that decides whether ``build`` runs: the entry is keyed by a hash of
+the rendered source, the backend's fingerprint (its own sources and versions)
+and its target (device arch, thread count), so anything that changes the
+generated code or what it was built for lands in a new entry. Each entry
+carries a manifest with the sha256 of every file ``build`` produced; a file
+that no longer matches (a crash mid-write, an edit, disk damage) is rebuilt
+with a warning instead of being loaded. Entries are 0700 and checked with
+cache.py's ownership rules before anything in them is trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from yirage.compiler.cache import check_private, check_tree, private_dir, private_root, write_private
+from yirage.errors import PluginError
+
+logger = logging.getLogger("yirage.compiler")
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+KEY_CHARS = 24  # 96 bits of the digest name an entry
+
+
+class Backend(Protocol):
+    """The stages ``compile_cached`` drives (``yirage.backend.base.Backend`` documents them)."""
+
+    name: str
+
+    def render(self, plan: Any) -> str: ...
+    def build(self, source: str, workdir: Path) -> Path | Sequence[Path]: ...
+    def load(self, artifact: Artifact) -> Any: ...
+    def fingerprint(self) -> str: ...
+    def target(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """What ``build`` left in a cache entry, verified against the manifest before ``load`` sees it.
+
+    ``files`` are names relative to ``directory``, the main one first; ``rebuilt``
+    says whether ``build`` ran in this call (False: served from the cache).
+    """
+
+    directory: Path
+    files: tuple[str, ...]
+    key: str
+    rebuilt: bool
+
+    @property
+    def path(self) -> Path:
+        """The main file (the first one ``build`` returned)."""
+        return self.directory / self.files[0]
+
+
+def sha256_hex(data: bytes) -> str:
+    """The default digest of cache keys and manifests."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def cache_key(source: str, fingerprint: str, target: str, digest: Callable[[bytes], str] = sha256_hex) -> str:
+    """The entry name: a digest of (source, fingerprint, target), unambiguous however they are spelled."""
+    material = json.dumps([source, fingerprint, target], ensure_ascii=False).encode("utf-8")
+    return digest(material)[:KEY_CHARS]
+
+
+_lock = threading.Lock()  # check-then-build of one entry at a time in this process; writes are atomic across processes
+
+
+def compile_cached(backend: Backend, plan: Any, *, root: Path | None = None,
+                   digest: Callable[[bytes], str] = sha256_hex) -> Any:
+    """``backend.load(artifact)`` for ``plan``, building the artifact only when the cache has no sound entry.
+
+    ``root``: the cache root (default: ``cache_root()``); ``digest``: the hash of the
+    key material (sha256; a test may substitute it to provoke a collision on purpose).
+    """
+    source = _text(backend, "render(plan)", backend.render(plan))
+    fingerprint = _text(backend, "fingerprint()", backend.fingerprint())
+    target = _text(backend, "target()", backend.target())
+    key = cache_key(source, fingerprint, target, digest)
+    entry = private_dir(private_dir(private_root(root) / backend.name) / key)
+    with _lock:
+        check_tree(entry)  # before anything in it is read, let alone loaded
+        artifact = _verified(entry, key)
+        if artifact is None:
+            artifact = _build(backend, source, entry, key, fingerprint, target)
+    return backend.load(artifact)
+
+
+def _text(backend: Backend, what: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise PluginError(f"backend {backend.name!r}: {what} returned {type(value).__name__}, not str; "
+                          "a bug in the plugin: report it to its authors")
+    return value
+
+
+def _verified(entry: Path, key: str) -> Artifact | None:
+    """The entry's artifact when its manifest is sound and every file matches it; None means build."""
+    manifest_path = entry / MANIFEST
+    if not manifest_path.exists():
+        return None
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+        ok = (manifest.get("format") == MANIFEST_FORMAT and manifest.get("key") == key and isinstance(files, list)
+              and files and all(isinstance(f, list) and len(f) == 2 and all(isinstance(x, str) for x in f)
+                                for f in files))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        logger.warning("compile-cache manifest %s is unreadable (%s: %s); rebuilding the entry",
+                       manifest_path, type(exc).__name__, exc)
+        return None
+    if not ok:
+        logger.warning("compile-cache manifest %s is malformed (corrupted or edited); rebuilding the entry",
+                       manifest_path)
+        return None
+    for name, want in files:
+        path = entry / name
+        try:
+            got = sha256_hex(path.read_bytes()) if _inside(entry, path) else "<outside the entry>"
+        except OSError as exc:
+            got = f"<unreadable: {exc}>"
+        if got != want:
+            logger.warning("compile-cache file %s differed from its rendering and build recorded in %s "
+                           "(corrupted or edited); rebuilding it", path, manifest_path)
+            return None
+    return Artifact(entry, tuple(name for name, _ in files), key, rebuilt=False)
+
+
+def _inside(entry: Path, path: Path) -> bool:
+    return path.resolve().is_relative_to(entry.resolve()) and path.name != MANIFEST
+
+
+def _build(backend: Backend, source: str, entry: Path, key: str, fingerprint: str, target: str) -> Artifact:
+    """Run ``backend.build`` in ``entry``, check what it returned and record it in the manifest."""
+    produced = backend.build(source, entry)
+    paths: Sequence[Any] = [produced] if isinstance(produced, (str, Path)) else produced
+    if not isinstance(paths, (list, tuple)):
+        paths = [produced]  # refused below, with what it was
+    names = []
+    for p in paths:
+        path = entry / p if isinstance(p, (str, Path)) else None  # an absolute path stays as it is
+        if path is None or not _inside(entry, path) or not path.is_file():
+            raise PluginError(
+                f"backend {backend.name!r}: build(source, workdir) returned {p!r}; it must return the path (or "
+                f"paths) of files it wrote inside the work directory {entry} (not {MANIFEST}). A bug in the plugin: "
+                "report it to its authors")
+        check_private(path)
+        names.append(path.resolve().relative_to(entry.resolve()).as_posix())
+    if not names:
+        raise PluginError(f"backend {backend.name!r}: build(source, workdir) returned no files; it must return the "
+                          f"path of what it wrote in {entry}. A bug in the plugin: report it to its authors")
+    manifest = {"format": MANIFEST_FORMAT, "key": key, "backend": backend.name, "fingerprint": fingerprint,
+                "target": target, "files": [[n, sha256_hex((entry / n).read_bytes())] for n in names]}
+    write_private(entry / MANIFEST, json.dumps(manifest, indent=1))  # last: an entry without one is rebuilt
+    return Artifact(entry, tuple(names), key, rebuilt=True)

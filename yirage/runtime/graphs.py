@@ -1,0 +1,104 @@
+"""Compiling kernel graphs: the per-graph executable cache behind ``g.compile()`` and ``g(...)``.
+
+The graph layer is pure IR, so the cache lives here, outside the graph. It is
+keyed by the graph's identity (a graph's hash and ``==`` compare content, and
+two equal graphs are still two programs a user may change apart), then by the
+graph's digest and the backend: adding an op changes the digest, so nothing
+compiled before the change is returned after it. An executable is built from
+a copy of the graph, so it never refers back to the user's graph: the cache
+entry goes when the graph is garbage collected.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Any
+
+from yirage.backend.base import Backend
+from yirage.compiler.lower import build_plan
+from yirage.graph.kernel_graph import KernelGraph, install_compiler
+from yirage.locks import ForkSafeRLock
+from yirage.runtime.executable import BackendOutputError, Executable, plugin_of
+
+logger = logging.getLogger("yirage.runtime")
+
+
+class _Entry:
+    """The executables of one graph, for one content of it."""
+
+    __slots__ = ("digest", "executables", "graph")
+
+    def __init__(self, graph: weakref.ref[KernelGraph], digest: str) -> None:
+        self.graph = graph
+        self.digest = digest
+        self.executables: dict[str, Executable] = {}
+
+
+_entries: dict[int, _Entry] = {}  # id(graph) -> entry; removed by a weakref callback when the graph dies
+_lock = ForkSafeRLock()  # guards changes to _entries; lookups are single dict reads and need none
+
+
+def _forget(key: int, ref: weakref.ref[KernelGraph]) -> None:
+    """Weakref callback: the graph is gone (this runs before its id can be reused)."""
+    with _lock:
+        entry = _entries.get(key)
+        if entry is not None and entry.graph is ref:
+            del _entries[key]
+
+
+def cached(graph: KernelGraph, backend_name: str) -> Executable | None:
+    """The executable compiled for this graph, as it is now, on ``backend_name``; None if there is none."""
+    entry = _entries.get(id(graph))
+    if entry is None or entry.graph() is not graph or entry.digest != graph.digest:
+        return None
+    return entry.executables.get(backend_name)
+
+
+def _store(graph: KernelGraph, digest: str, exe: Executable) -> Executable:
+    """Keep ``exe`` for ``graph`` unless the graph changed meanwhile; a racing thread's twin wins if first."""
+    with _lock:
+        if graph.digest != digest:
+            return exe  # the graph changed while we compiled: do not cache what it no longer is
+        key = id(graph)
+        entry = _entries.get(key)
+        if entry is None or entry.graph() is not graph or entry.digest != digest:
+            entry = _Entry(weakref.ref(graph, lambda ref, key=key: _forget(key, ref)), digest)
+            _entries[key] = entry  # a stale entry (older content) goes with its executables
+        return entry.executables.setdefault(exe.backend.name, exe)
+
+
+def compile_graph(graph: KernelGraph, backend: Any = None) -> Executable:
+    """Compile once per (backend, graph content); later calls reuse the executable."""
+    from yirage.backend.selection import current_backend, resolve
+
+    chosen: Backend = current_backend() if backend is None else resolve(backend)
+    exe = cached(graph, chosen.name)
+    if exe is not None:
+        return exe
+    snapshot = graph.copy()  # what is compiled; later ops added to ``graph`` cannot reach it
+    digest = snapshot.digest
+    started = time.perf_counter()
+    plan = build_plan(snapshot)
+    run = chosen.compile(plan, snapshot)
+    if not callable(run):
+        raise BackendOutputError(f"backend {chosen.name!r} (from {plugin_of(chosen)}) returned {run!r} from "
+                                 "compile(plan, graph) instead of a run(inputs) function. This is a bug in the plugin: "
+                                 "report it to its authors, and compile with another backend meanwhile")
+    seconds = time.perf_counter() - started
+    logger.info("compiled graph %s for %s in %.3f s (%d kernels)", digest[:12], chosen.name, seconds,
+                len(plan.kernels))
+    return _store(graph, digest, Executable(snapshot, plan, chosen, run, seconds))
+
+
+def new_kernel_graph(backend: Any = None) -> KernelGraph:
+    """Start a kernel graph; ``backend`` defaults to the process default at compile time."""
+    if backend is not None:
+        from yirage.backend.selection import resolve
+
+        backend = resolve(backend, "new_kernel_graph(backend=...)").name  # fail early, with the reason
+    return KernelGraph(backend=backend)
+
+
+install_compiler(compile_graph)
