@@ -79,17 +79,15 @@ def cache_key(source: str, fingerprint: str, target: str, digest: Callable[[byte
 _lock = threading.Lock()  # check-then-build of one entry at a time in this process; writes are atomic across processes
 
 
-def compile_cached(backend: Backend, plan: Any, *, root: Path | None = None,
-                   digest: Callable[[bytes], str] = sha256_hex) -> Any:
+def compile_cached(backend: Backend, plan: Any, *, root: Path | None = None) -> Any:
     """``backend.load(artifact)`` for ``plan``, building the artifact only when the cache has no sound entry.
 
-    ``root``: the cache root (default: ``cache_root()``); ``digest``: the hash of the
-    key material (sha256; a test may substitute it to provoke a collision on purpose).
+    ``root``: the cache root (default: ``cache_root()``).
     """
     source = _text(backend, "render(plan)", backend.render(plan))
     fingerprint = _text(backend, "fingerprint()", backend.fingerprint())
     target = _text(backend, "target()", backend.target())
-    key = cache_key(source, fingerprint, target, digest)
+    key = cache_key(source, fingerprint, target)
     entry = private_dir(private_dir(private_root(root) / backend.name) / key)
     with _lock:
         check_tree(entry)  # before anything in it is read, let alone loaded

@@ -13,7 +13,6 @@ that fails on them clears them and compiles once more.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import logging
 import shutil
@@ -62,14 +61,9 @@ def load(artifact: Artifact) -> Callable[[Any], list[Any]]:
         return guard(_load(f"yirage_cpu_plan_{artifact.key}", artifact.path))
 
 
-def _digest(data: bytes) -> str:
-    """The cache-key hash (module-level so that tests/test_compile_cache.py can force a collision)."""
-    return hashlib.sha256(data).hexdigest()
-
-
 def compile_plan(backend: Any, plan: KernelPlan) -> Callable[[Any], list[Any]]:
     """render -> build (on a cache miss) -> load, through the core's one cache."""
-    return compile_cached(backend, plan, digest=_digest)
+    return compile_cached(backend, plan)
 
 
 _LOCK = threading.Lock()  # numba compiles while the module executes: one import at a time
