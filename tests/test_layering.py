@@ -38,11 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 
 #: (importing module, imported module) -> why it is allowed for now. Keep it short; each one is debt.
-ALLOWED: dict[tuple[str, str], str] = {
-    ("yirage.backend.plugins", "yirage.reference.backend"):
-        "discovery registers the built-in oracle plugin; it should load it by module name, as it loads "
-        "every other plugin's entry point",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def _layer_of(module: str) -> tuple[int, str]:

@@ -36,6 +36,7 @@ from yirage.graph.kernel_graph import KernelGraph, Tensor
 from yirage.graph.ops import GraphError
 from yirage.log import configure_from_environment as _configure_logging
 from yirage.persistent.kernel import PersistentKernel
+from yirage.reference import backend as _reference_backend  # noqa: F401 - registers the built-in oracle plugin
 from yirage.reference.graph import run_reference
 from yirage.runtime.graphs import new_kernel_graph  # also installs the compiler behind g.compile() and g(...)
 

@@ -330,15 +330,28 @@ def _lookup_names(ep: metadata.EntryPoint) -> set[str]:
     return names
 
 
+_core_plugins: list[tuple[ModuleType, str]] = []
+
+
+def install_core_plugin(module: ModuleType, name: str) -> None:
+    """Register a plugin module that ships in the core (the reference oracle).
+
+    The core's plugins sit above this layer (they import the Backend class), so they
+    announce themselves when imported instead of discovery importing them; every
+    Discovery made afterwards registers them, even with plugin autoload off.
+    """
+    if all(known is not module for known, _ in _core_plugins):
+        _core_plugins.append((module, name))
+
+
 class Discovery:
     """Loads plugins on demand under the switches: by backend name first, all when needed."""
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
-        from yirage.reference import backend as reference
-
         self.env = os.environ if environ is None else environ
         self.plugins = PluginSet(config.probe_timeout(self.env))
-        self.plugins.add(reference, "reference", CORE_DISTRIBUTION, _core_version())
+        for module, name in _core_plugins:
+            self.plugins.add(module, name, CORE_DISTRIBUTION, _core_version())
         self.allow = _allow_list(self.env)
         self.wanted = {normalize(name) for name in self.allow or ()}
         self.autoload = not self.env.get("YIRAGE_DISABLE_PLUGIN_AUTOLOAD")  # any non-empty value disables

@@ -7,11 +7,13 @@ autoload off) and is always available where torch is.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from yirage.backend.base import Availability, Backend, DeviceInfo, MemoryInfo
 from yirage.backend.hookspecs import hookimpl
 from yirage.backend.host import host_device_info, host_memory_info
+from yirage.backend.plugins import install_core_plugin
 from yirage.backend.probes import distribution_version, module_installed
 
 YIRAGE_PLUGIN_API = 1
@@ -58,3 +60,6 @@ class ReferenceBackend(Backend):
 @hookimpl
 def yirage_backends() -> list[type[Backend]]:
     return [ReferenceBackend]
+
+
+install_core_plugin(sys.modules[__name__], "reference")
