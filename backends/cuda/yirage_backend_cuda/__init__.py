@@ -3,15 +3,29 @@
 MetaX, Iluvatar and Hygon stacks answer ``torch.cuda.is_available()`` too;
 this backend claims a device only when its name is NVIDIA's and torch is a
 CUDA (not a ROCm/HIP) build, so those devices go to their own backends.
+
+Kernel plans are rendered by the core's C-family renderer in the CUDA dialect,
+built to cubins with NVRTC (``nvrtc.py``; works without a GPU, so CI compiles
+for sm_80 and sm_90) and loaded through the driver API (``driver.py``).
+``compile_check`` (any sources) and ``check_conformance`` (every plan of the
+conformance kit) are the compile-only entry points for CI and backend_manager.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import yirage
 from yirage.backend.probes import TorchCudaFacts, TorchDevice, torch_cuda_facts, torch_cuda_memory
+from yirage.compiler.cache import write_private
+from yirage.errors import NotSupportedError
+from yirage_backend_cuda.check import DEFAULT_ARCHS, CheckFailure, CheckReport, check_conformance, compile_check
+from yirage_backend_cuda.nvrtc import BUILD_OPTIONS, CompileError, ToolchainError, compile_cuda, toolchain
+
+__all__ = ["BUILD_OPTIONS", "CUDABackend", "CheckFailure", "CheckReport", "CompileError", "ToolchainError",
+           "check_conformance", "compile_check"]
 
 YIRAGE_PLUGIN_API = 1
 
@@ -96,6 +110,43 @@ class CUDABackend(yirage.Backend):
 
     def memory_info(self, index: int = 0) -> yirage.MemoryInfo:
         return torch_cuda_memory(self._devices()[index].index)
+
+    # -- compile stages ------------------------------------------------------
+    def render(self, plan: Any) -> str:
+        """The plan's kernels as CUDA C (the core's C-family renderer, CUDA dialect)."""
+        from yirage.codegen.cstyle import render_plan
+        from yirage.codegen.dialects import dialect
+
+        return render_plan(plan, dialect("cuda"))
+
+    def target(self) -> str:
+        """The first NVIDIA device's arch (``"sm_86"``) where one exists, else the compile-check archs."""
+        if self.availability().ok:
+            device = self._devices()[0]
+            if device.capability:
+                return f"sm_{device.capability[0]}{device.capability[1]}"
+        return ",".join(DEFAULT_ARCHS)
+
+    def fingerprint(self) -> str:
+        """The package's sources, NVRTC's version and headers and the options: a new compiler means new entries."""
+        return f"{super().fingerprint()}:{toolchain().fingerprint()}:{' '.join(BUILD_OPTIONS)}"
+
+    def build(self, source: str, workdir: Path) -> list[Path]:
+        """One cubin per target arch, ``kernels.<arch>.cubin``; any NVRTC error or warning raises CompileError."""
+        paths = []
+        for arch in self.target().split(","):
+            result = compile_cuda(source, arch, name="kernels.cu", options=BUILD_OPTIONS)
+            path = workdir / f"kernels.{arch}.cubin"
+            write_private(path, result.cubin)
+            paths.append(path)
+        return paths
+
+    def load(self, artifact: Any) -> Any:
+        """Not yet: the plan launcher (outputs, scratch, status checks over ``driver.CudaModule``) is to be written."""
+        raise NotSupportedError(
+            f"backend 'cuda' built {', '.join(artifact.files)} in {artifact.directory} but cannot run kernel "
+            "plans yet (the plan launcher over yirage_backend_cuda.driver is not written); "
+            "use backend='cpu' or backend='reference'")
 
 
 @yirage.hookimpl

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from pathlib import Path
 from typing import Any
 
 import yirage
@@ -129,6 +130,30 @@ class OpenCLBackend(yirage.Backend):
             return yirage.MemoryInfo(total, total - free, free, "CL_DEVICE_GLOBAL_MEM_SIZE capped by host RAM (psutil)")
         # core OpenCL has no query for free device memory
         return yirage.MemoryInfo(device.global_mem_size, None, None, "CL_DEVICE_GLOBAL_MEM_SIZE")
+
+    # -- compile stages (yirage_backend_opencl.compile), cached by the core's compile_cached --
+    kernel_dtypes = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
+
+    def render(self, plan: Any) -> str:
+        from yirage_backend_opencl.compile import render_source
+
+        return render_source(plan)
+
+    def build(self, source: str, workdir: Path) -> Path:
+        from yirage_backend_opencl.compile import build
+
+        return build(source, workdir)
+
+    def load(self, artifact: Any) -> Any:
+        from yirage_backend_opencl.compile import load
+
+        return load(artifact)
+
+    def target(self) -> str:
+        """The device (platform, name, driver) the program is built for."""
+        from yirage_backend_opencl.compile import target
+
+        return target()
 
 
 @yirage.hookimpl

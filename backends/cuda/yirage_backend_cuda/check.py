@@ -1,0 +1,139 @@
+"""Compile-only checking of CUDA sources for CI and ``tools/backend_manager.py test cuda``.
+
+There is no GPU in CI, so what can be checked is that every source compiles
+with NVRTC for every target arch without an error or warning, gives a cubin
+for that arch holding kernels, and (where ptxas can) assembles again with
+ptxas. ``compile_check`` compiles everything and reports every failure instead
+of stopping at the first, so one run shows the whole picture.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from yirage.errors import YirageError
+from yirage_backend_cuda.cubin import CubinError, inspect_cubin
+from yirage_backend_cuda.nvrtc import BUILD_OPTIONS, CompileError, PtxasMode, check_arch, compile_cuda, toolchain
+
+DEFAULT_ARCHS = ("sm_80", "sm_90")
+RECORD_ENV = "YIRAGE_CUDA_RECORD_DIR"  # where record_plans writes the sources it renders
+
+
+@dataclass(frozen=True)
+class CheckFailure:
+    """One source that did not compile cleanly for one arch, and the compiler's message."""
+
+    name: str
+    arch: str
+    message: str
+    kinds: tuple[str, ...] = ("error",)  # CompileError.kinds: ("warning #177-D",) when it only warned
+
+    @property
+    def warnings_only(self) -> bool:
+        return bool(self.kinds) and all(k.startswith("warning") for k in self.kinds)
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """Counts of (source, arch) compiles: passed, ptxas-verified, failed, with the failures and the toolchain."""
+
+    toolchain: str
+    archs: tuple[str, ...]
+    compiled: int
+    ptxas_verified: int
+    failures: tuple[CheckFailure, ...] = ()
+    notes: tuple[str, ...] = field(default=())  # distinct reasons ptxas did not run
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> str:
+        """One line for CI logs, then one line per failure."""
+        total = self.compiled + len(self.failures)
+        lines = [f"cuda compile-only ({self.toolchain}, {', '.join(self.archs)}): {self.compiled}/{total} compiled, "
+                 f"{self.ptxas_verified} verified by ptxas, {len(self.failures)} failed"]
+        lines += [f"  note: {n}" for n in self.notes]
+        lines += [f"  FAIL {f.name} [{f.arch}]: {f.message.splitlines()[0]}" for f in self.failures]
+        return "\n".join(lines)
+
+
+def compile_check(sources: Mapping[str, str], archs: Sequence[str] = DEFAULT_ARCHS, *,
+                  options: tuple[str, ...] = (), ptxas: PtxasMode = "auto", workers: int | None = None) -> CheckReport:
+    """Compile every source in ``sources`` ({name: CUDA C}) for every arch in ``archs`` and report the outcome.
+
+    A source fails when NVRTC errors or warns, when ptxas rejects its PTX, or when
+    the cubin is not for the arch asked or holds no kernel. ``options`` go to NVRTC
+    (rendered plans: ``yirage_backend_cuda.BUILD_OPTIONS``, what the backend builds with).
+    ``workers`` threads compile at once (default: one per CPU; NVRTC is thread-safe and
+    releases the GIL); failures are listed in the order of ``sources`` and ``archs``.
+    Missing NVRTC raises ToolchainError (nothing can be checked); an unknown arch raises
+    before anything compiles.
+    """
+    if isinstance(archs, str):
+        raise TypeError(f"archs must be a sequence such as ('sm_80', 'sm_90'), not the string {archs!r}")
+    tools = toolchain()
+    archs = tuple(check_arch(a, tools) for a in archs)
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"workers={workers!r} must be a positive int, or None for one per CPU")
+    jobs = [(name, source, arch) for name, source in sources.items() for arch in archs]
+
+    def one(job: tuple[str, str, str]) -> CheckFailure | str:
+        name, source, arch = job
+        try:
+            result = compile_cuda(source, arch, name=f"{name}.cu", options=options, ptxas=ptxas)
+            info = inspect_cubin(result.cubin)
+            if info.arch != arch.rstrip("af") or not info.kernels:
+                raise CubinError(f"the cubin is for {info.arch} with kernels {info.kernels}, "
+                                 f"expected {arch} with at least one __global__ function")
+        except CompileError as exc:
+            return CheckFailure(name, arch, str(exc), exc.kinds)
+        except CubinError as exc:
+            return CheckFailure(name, arch, str(exc))
+        return result.ptxas
+
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        outcomes = list(pool.map(one, jobs))
+    failures = tuple(o for o in outcomes if isinstance(o, CheckFailure))
+    passed = [o for o in outcomes if isinstance(o, str)]
+    verified = sum(o.startswith("verified") for o in passed)
+    notes = tuple(dict.fromkeys(o for o in passed if not o.startswith("verified")))
+    return CheckReport(tools.describe(), archs, len(passed), verified, failures, notes)
+
+
+def conformance_sources(*, timeout: float = 900) -> dict[str, str]:
+    """The CUDA source of every distinct plan the conformance kit compiles, and of its seeded random graphs.
+
+    The kit (``yirage.testing.conformance``) runs in a child pytest on the reference
+    backend with ``record_plans`` rendering each plan it compiles; the random-graph
+    cases (skipped on reference) are rendered here from the same seeds the kit uses.
+    """
+    from yirage.backend.selection import registry
+    from yirage.compiler.lower import build_plan
+    from yirage.testing.plugin import RANDOM_GRAPHS
+    from yirage.testing.random_graphs import seeded_graph
+    with tempfile.TemporaryDirectory(prefix="yirage-cuda-plans-") as tmp:
+        cmd = [sys.executable, "-m", "pytest", "--pyargs", "yirage.testing.conformance", "-q", "-x",
+               "--yirage-backend", "reference", "-p", "yirage_backend_cuda.record_plans", "-p", "no:cacheprovider"]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp,
+                             env={**os.environ, RECORD_ENV: tmp})
+        if run.returncode != 0:
+            raise YirageError(f"the conformance kit failed on the reference backend while its plans were recorded "
+                              f"(exit {run.returncode}); fix that first (needs pytest installed). Its output:\n"
+                              f"{run.stdout[-4000:]}{run.stderr[-4000:]}")
+        sources = {p.stem: p.read_text(encoding="utf-8") for p in sorted(Path(tmp).glob("*.cu"))}
+    cuda = registry().get("cuda")
+    sources.update({f"seed{s}": cuda.render(build_plan(seeded_graph(s))) for s in range(RANDOM_GRAPHS)})
+    return sources
+
+
+def check_conformance(archs: Sequence[str] = DEFAULT_ARCHS, *, workers: int | None = None) -> CheckReport:
+    """``compile_check`` of every conformance plan with the backend's build options: CI's compile-only CUDA test."""
+    return compile_check(conformance_sources(), archs, options=BUILD_OPTIONS, workers=workers)

@@ -1,0 +1,212 @@
+"""The C-family renderer renders every kit-like plan in OpenCL C, CUDA, HIP and Metal, structurally sound.
+
+No string snapshots: the checks parse what was rendered (kernel signatures
+against the launch descriptions and the plan's buffers, barriers beside
+local-memory reductions, braces) and hold it to the plan, which the renderer
+does not produce. Whether the code computes the right thing is the
+conformance kit's job on a backend that runs it (opencl on PoCL).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+
+import yirage as yr
+from yirage.codegen.cstyle import render
+from yirage.codegen.dialect import Dialect
+from yirage.codegen.dialects import dialect
+from yirage.codegen.exprs import UnsupportedExprError
+from yirage.compiler.kernel_ir import KernelPlan, Matmul, Row
+from yirage.compiler.lower import build_plan
+from yirage.testing.plugin import RANDOM_GRAPHS
+from yirage.testing.random_graphs import seeded_graph
+
+DIALECTS = ["opencl", "cuda", "hip", "metal"]
+
+
+def _hand_graphs() -> dict[str, yr.KernelGraph]:
+    graphs = {}
+    g = yr.new_kernel_graph()
+    x, w, r = g.new_input((4, 32)), g.new_input((32, 16), strides=(1, 32)), g.new_input((4, 16))
+    g.mark_output(g.add(g.silu(g.matmul(g.rms_norm(x, (32,)), w)), r))
+    graphs["rms_matmul_epilogue"] = g
+    g = yr.new_kernel_graph()
+    a, b = g.new_input((1, 2, 8)), g.new_input((3, 8, 5))
+    g.mark_output(g.matmul(g.exp(a), b))
+    graphs["batched_prologue"] = g
+    g = yr.new_kernel_graph()
+    x, cos, sin = (g.new_input((4, 16)) for _ in range(3))
+    g.mark_output(g.softmax(g.rotary(x, cos, sin), -1))
+    g.mark_output(g.reduction(g.new_input((3, 5, 7)), 1))
+    g.mark_output(g.softmax(g.new_input((4, 50)), 0))
+    graphs["rows"] = g
+    g = yr.new_kernel_graph()
+    q, k, v = g.new_input((2, 8, 16)), g.new_input((2, 2, 12, 16)), g.new_input((2, 2, 12, 16))
+    g.mark_output(g.attention(q, k, v, g.new_input((2,), dtype=yr.int32)))
+    g.mark_output(g.embedding(g.new_input((2, 5), dtype=yr.int64), g.new_input((50, 24))))
+    graphs["attention_embedding"] = g
+    g = yr.new_kernel_graph()
+    a, b = g.new_input((6, 5), dtype=yr.int64), g.new_input((5,), dtype=yr.int64)
+    g.mark_output(g.clamp(g.relu(g.sub(g.mul(a, b), g.square(b))), 0, 20))
+    g.mark_output(g.reduction(g.add(a, b), 0))
+    graphs["integers"] = g
+    g = yr.new_kernel_graph()
+    g.mark_output(g.gelu(g.new_input((3, 70))))
+    graphs["gelu"] = g
+    g = yr.new_kernel_graph()
+    x = g.new_input((3, 70), dtype=yr.float64)
+    g.mark_output(g.pow(g.sqrt(x), x))
+    graphs["float64"] = g
+    return graphs
+
+
+PLANS: dict[str, KernelPlan] = {name: build_plan(g) for name, g in _hand_graphs().items()}
+PLANS.update({f"seeded_graph({s})": build_plan(seeded_graph(s)) for s in range(RANDOM_GRAPHS)})
+
+
+def _unsupported(plan: KernelPlan, d: Dialect) -> list[str]:
+    """What the dialect cannot do, worked out from the plan's text (not the renderer's own tables)."""
+    text = str(plan)
+    missing = [fn for fn in ("gelu", "exp", "silu", "pow", "sqrt", "rsqrt") if f"{fn}(" in text
+               and fn not in d.functions]
+    missing += [dt for dt in ("float64",) if dt in text and dt not in d.types]
+    return missing
+
+
+def _signatures(source: str, kernel_word: str) -> dict[str, list[str]]:
+    """kernel name -> parameter names, parsed from the rendered source."""
+    out = {}
+    for m in re.finditer(rf"{re.escape(kernel_word)} (?:__launch_bounds__\(\d+\) )?(\w+)\((.*)\) \{{$", source, re.M):
+        params = [re.sub(r"\s*\[\[.*?\]\]", "", p).split()[-1].lstrip("*") for p in m.group(2).split(", ")]
+        assert m.group(1) not in out, f"kernel {m.group(1)} defined twice"
+        out[m.group(1)] = params
+    return out
+
+
+def _body(source: str, name: str) -> str:
+    start = re.search(rf"\b{name}\(", source).start()
+    depth, i = 0, source.index("{", start)
+    for j in range(i, len(source)):
+        depth += {"{": 1, "}": -1}.get(source[j], 0)
+        if depth == 0:
+            return source[i:j + 1]
+    raise AssertionError(f"unbalanced braces in kernel {name}")
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+@pytest.mark.parametrize("dialect_name", DIALECTS)
+def test_renders_every_plan_with_sound_structure(dialect_name: str, name: str) -> None:
+    plan, d = PLANS[name], dialect(dialect_name)
+    missing = _unsupported(plan, d)
+    if missing:
+        with pytest.raises(UnsupportedExprError, match=missing[0]):
+            render(plan, d)
+        return
+    rendered = render(plan, d)
+    source = rendered.source
+    assert source.count("{") == source.count("}")
+    sigs = _signatures(source, d.kernel)
+    assert list(sigs) == [x.kernel for x in rendered.launches], "one kernel per launch, in launch order"
+    id_names = [p.split()[1] for p in d.id_params]
+    scratch = {s.name for s in rendered.scratch}
+    for launch in rendered.launches:
+        params = sigs[launch.kernel]
+        assert params == list(launch.args) + id_names, f"{launch.kernel}: parameters vs launch arguments"
+        assert len(set(launch.args)) == len(launch.args)
+        assert all(a in plan.buffers or a in scratch for a in launch.args)
+        assert launch.groups >= 1 and launch.local >= 1
+    for k in plan.kernels:
+        launches = [x for x in rendered.launches if x.kernel in (k.name, f"{k.name}_pro")]
+        args = {a for x in launches for a in x.args}
+        main = next(x for x in launches if x.kernel == k.name)
+        assert main.args[0] == k.out, "the kernel's output is its first argument"
+        assert set(k.reads()) <= args, f"{k.name} reads {k.reads()} but is passed {sorted(args)}"
+        body = _body(source, k.name)
+        for var in re.findall(rf"{d.index_type} (\w+) = ", body):  # compilers warn about unused ones (CI: -Werror)
+            reads = [x for x in body.splitlines() if re.search(rf"\b{var}\b", x)
+                     and not re.match(rf"\s*({d.index_type} )?{var} = ", x)]
+            assert reads, f"{k.name}: index variable {var} is declared but never read"
+        barriers = body.count(d.barrier)
+        if isinstance(k, Row):
+            assert f"{d.local} " in body, f"{k.name}: a row kernel reduces in local memory"
+            assert barriers >= 2 * len(k.reductions), f"{k.name}: {barriers} barriers"
+            assert main.groups == plan_rows(k)
+        else:
+            assert barriers == 0, f"{k.name} synchronizes without sharing local memory"
+        if isinstance(k, Matmul):
+            out = plan.buffers[k.out]
+            assert main.global_size >= _prod(out.dims), "one work-item per output element"
+
+
+def plan_rows(k: Row) -> int:
+    return _prod([d for i, d in enumerate(k.space) if i != k.axis])
+
+
+def _prod(dims: object) -> int:
+    n = 1
+    for d in dims:  # type: ignore[attr-defined]
+        n *= d
+    return n
+
+
+def test_inputs_are_read_only_and_outputs_writable_in_signatures() -> None:
+    plan = PLANS["rms_matmul_epilogue"]
+    source = render(plan, dialect("opencl")).source
+    for name, b in plan.buffers.items():
+        consts = re.findall(rf"__global (const )?\w+\* {name}\b", source)
+        assert consts, f"{name} is passed to no kernel"
+        if b.role == "input":
+            assert all(c == "const " for c in consts), f"input {name} is writable somewhere"
+        else:
+            assert "" in consts, f"{b.role} {name} is written by no kernel"
+
+
+@pytest.mark.parametrize("dialect_name", DIALECTS)
+def test_float16_and_bfloat16_tensors_are_passed_in_their_storage_type(dialect_name: str) -> None:
+    d = dialect(dialect_name)
+    g = yr.new_kernel_graph()
+    h, b = g.new_input((4, 8), dtype=yr.float16), g.new_input((4, 8), dtype=yr.bfloat16)
+    g.mark_output(g.softmax(g.mul(h, h), -1))
+    g.mark_output(g.relu(b))
+    plan = build_plan(g)
+    source = render(plan, d).source
+    for name, buf in plan.buffers.items():
+        if buf.role == "temp":
+            continue
+        storage = re.escape(d.narrow[buf.dtype.name][0])
+        assert re.search(rf"{storage}\*( __restrict__)? {name}\b", source), f"{name} ({buf.dtype}) in {source}"
+
+
+def test_metal_names_the_functions_it_cannot_spell() -> None:
+    with pytest.raises(UnsupportedExprError, match=r"gelu.*erf.*dialects/metal\.py"):
+        render(PLANS["gelu"], dialect("metal"))
+
+
+def test_missing_math_function_is_a_clear_error_not_a_keyerror() -> None:
+    bare = replace(dialect("opencl"), name="bare", math={"sqrt": "sqrt"})
+    plan = PLANS["rms_matmul_epilogue"]  # silu needs exp
+    with pytest.raises(UnsupportedExprError, match=r"bare dialect cannot spell the IR function\(s\) silu"):
+        render(plan, bare)
+
+
+def test_missing_dtype_is_a_clear_error() -> None:
+    with pytest.raises(UnsupportedExprError, match=r"metal dialect cannot compute in float64"):
+        render(PLANS["float64"], dialect("metal"))
+
+
+def test_unknown_dialect_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="opencl, cuda, hip, metal"):
+        dialect("vulkan")
+
+
+def test_dialect_files_are_spellings_only() -> None:
+    from pathlib import Path
+
+    import yirage.codegen.dialects as pkg
+
+    for name in DIALECTS:
+        lines = (Path(pkg.__file__).parent / f"{name}.py").read_text().splitlines()
+        assert len(lines) <= 30, f"{name}.py has {len(lines)} lines: a dialect holds spellings, not rendering"

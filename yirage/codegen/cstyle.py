@@ -1,0 +1,479 @@
+"""One C-family renderer over ``KernelPlan``; a ``Dialect`` spells what differs per language.
+
+``render(plan, dialect)`` returns the source of every kernel of the plan and,
+per kernel, a ``Launch``: its work-group count and size, its arguments in
+order (plan buffers, then scratch buffers the launcher allocates) and an
+optional status check. Kernels are straightforward: one work-item per output
+element (pointwise, matmul, embedding), one work-group per row with a
+local-memory tree reduction (row kernels), one work-item per (batch, head)
+(attention). Semantics follow the cpu backend: IEEE (no fast math, no
+contraction), NaN-propagating max/min that return the first operand on ties,
+rsqrt as ``1 / sqrt``. float16/bfloat16 graph tensors stay in their storage
+type: kernels widen them to float32 as they load and round to nearest even as
+they store (the dialect's ``narrow`` spellings); temporaries are float32.
+``check_supported`` runs first: a plan the dialect cannot spell is refused
+with every missing function and dtype named, before any text is produced.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from yirage.codegen import indexing
+from yirage.codegen.dialect import Dialect, check_supported
+from yirage.codegen.emit import Emitter
+from yirage.codegen.exprs import Spelling, compute_type, spell_expr
+from yirage.codegen.indexing import IndexSyntax
+from yirage.compiler.indexing import broadcast_strides
+from yirage.compiler.kernel_ir import (
+    Attention,
+    Embedding,
+    Expr,
+    Kernel,
+    KernelPlan,
+    Load,
+    Matmul,
+    Pointwise,
+    Row,
+    loads,
+)
+from yirage.graph.kernel_graph import contiguous_strides
+
+RENDERER_VERSION = "1"
+GROUP = 64  # work-group size of element-wise kernels
+ROW_GROUP_MAX = 256  # work-group size of row kernels (a power of two, at most this)
+SUFFIX = {"float32": "f32", "float64": "f64", "int32": "i32", "int64": "i64"}
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """A buffer the launcher allocates for one call: ``count`` elements of ``dtype`` (zero-filled)."""
+
+    name: str
+    count: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Check:
+    """After the call, a nonzero ``status[0]`` means bad input: raise ``error`` with ``message``.
+
+    ``message`` may use ``{pos}`` (status - 1) and ``{value}`` (buffer ``value_of`` at flat ``pos``).
+    """
+
+    status: str
+    error: str  # "IndexError" or "ValueError"
+    message: str
+    value_of: str = ""
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str
+    args: tuple[str, ...]
+    groups: int
+    local: int
+    check: Check | None = None
+
+    @property
+    def global_size(self) -> int:
+        return self.groups * self.local
+
+
+@dataclass(frozen=True)
+class Rendered:
+    source: str
+    launches: tuple[Launch, ...]
+    scratch: tuple[Scratch, ...]
+
+
+class _Renderer:
+    def __init__(self, plan: KernelPlan, dialect: Dialect) -> None:
+        self.plan, self.d = plan, dialect
+        self.buffers = dict(plan.buffers)
+        #: graph inputs and outputs stored as float16/bfloat16 (temporaries are kept at compute type)
+        self.narrow = {n: b.dtype.name for n, b in plan.buffers.items()
+                       if b.role != "temp" and b.dtype.name in ("float16", "bfloat16")}
+        self.emit = Emitter()
+        self.launches: list[Launch] = []
+        self.scratch: list[Scratch] = []
+        it = dialect.index_type
+        self.ix = IndexSyntax(const=str, declare=lambda n, v: f"{it} {n} = {v};", assign=lambda n, v: f"{n} = {v};")
+
+    # -- spellings ----------------------------------------------------------------
+    def ctype(self, ct: str) -> str:
+        return self.d.types[ct]
+
+    def const(self, value: float, ct: str) -> str:
+        if ct.startswith("int"):
+            v = int(value)
+            return f"({v + 1} - 1)" if v <= -(1 << 31) else str(v)
+        if math.isinf(value):
+            return f"({'-' if value < 0 else ''}{self.d.infinity[ct]})"
+        text = repr(float(value))
+        return text + (self.d.float_suffix if ct == "float32" else "")
+
+    def table(self, ct: str) -> dict[str, Spelling]:
+        m, s = self.d.math, SUFFIX[ct]
+        one = self.const(1.0, ct)
+        table: dict[str, Spelling] = {
+            "add": lambda a: f"({a[0]} + {a[1]})", "sub": lambda a: f"({a[0]} - {a[1]})",
+            "mul": lambda a: f"({a[0]} * {a[1]})", "div": lambda a: f"({a[0]} / {a[1]})",
+            "max": lambda a: f"y_max_{s}({a[0]}, {a[1]})", "min": lambda a: f"y_min_{s}({a[0]}, {a[1]})",
+            "relu": lambda a: f"y_max_{s}({a[0]}, {self.const(0, ct)})",
+            "square": lambda a: f"y_square_{s}({a[0]})", "neg": lambda a: f"(-{a[0]})",
+        }
+        if "exp" in m:
+            table["exp"] = lambda a: f"{m['exp']}({a[0]})"
+            table["silu"] = lambda a: f"y_silu_{s}({a[0]})"
+        if "sqrt" in m:
+            table["sqrt"] = lambda a: f"{m['sqrt']}({a[0]})"
+            table["rsqrt"] = lambda a: f"({one} / {m['sqrt']}({a[0]}))"
+        if "pow" in m:
+            table["pow"] = lambda a: f"{m['pow']}({a[0]}, {a[1]})"
+        if "erf" in m:
+            table["gelu"] = lambda a: f"y_gelu_{s}({a[0]})"
+        return table
+
+    def expr(self, e: Expr, load: Callable[[Load], str], ct: str) -> str:
+        return spell_expr(e, load=load, var=lambda v: f"v_{v.name}", const=lambda c: self.const(c.value, ct),
+                          table=self.table(ct), renderer=f"C-family ({self.d.name})")
+
+    def helpers(self, cts: set[str]) -> None:
+        emit, d = self.emit, self.d
+        for ct in sorted(cts):
+            t, s = self.ctype(ct), SUFFIX[ct]
+            nan = " || b != b" if ct.startswith("float") else ""  # NaN-propagating; ties keep a
+            emit(f"{d.inline} {t} y_max_{s}({t} a, {t} b) {{ return (b > a{nan}) ? b : a; }}")
+            emit(f"{d.inline} {t} y_min_{s}({t} a, {t} b) {{ return (b < a{nan}) ? b : a; }}")
+            emit(f"{d.inline} {t} y_square_{s}({t} a) {{ return a * a; }}")
+            if ct.startswith("float") and "exp" in d.math:
+                emit(f"{d.inline} {t} y_silu_{s}({t} x) {{ return x / ({self.const(1, ct)} + {d.math['exp']}(-x)); }}")
+            if ct.startswith("float") and "erf" in d.math:
+                emit(f"{d.inline} {t} y_gelu_{s}({t} x) {{ return {self.const(0.5, ct)} * x * ({self.const(1, ct)} "
+                     f"+ {d.math['erf']}(x * {self.const(0.7071067811865476, ct)})); }}")
+
+    # -- kernel frame ---------------------------------------------------------------
+    def kernel(self, name: str, args: Sequence[str], groups: int, local: int, check: Check | None = None) -> None:
+        """Emit the signature (one parameter per argument; the first and scratch ones written) and open the body."""
+        params = []
+        scratch = {s.name for s in self.scratch}
+        for i, a in enumerate(args):
+            ctype = self.d.narrow[self.narrow[a]][0] if a in self.narrow else self.ctype(self._ct(a))
+            params.append(self.d.param(i, ctype, a, i == 0 or a in scratch))
+        params += list(self.d.id_params)
+        self.emit("")
+        self.emit(f"{self.d.kernel} {self.d.launch_bounds(local)}{name}({', '.join(params)}) {{")
+        self.emit.depth += 1
+        self.body_start = len(self.emit.lines)
+        self.launches.append(Launch(name, tuple(args), groups, local, check))
+
+    def close(self) -> None:
+        self.prune_unused()
+        self.emit.depth -= 1
+        self.emit("}")
+
+    def prune_unused(self) -> None:
+        """Drop index variables nothing reads (broadcast strides leave some): compilers warn about them."""
+        body = self.emit.lines[self.body_start:]
+        decl = re.compile(rf"^\s*{re.escape(self.d.index_type)} (\w+) = [^;]*;$")
+        while True:
+            names = [m.group(1) for line in body if (m := decl.match(line))]
+            dead = next((n for n in names if not any(
+                re.search(rf"\b{n}\b", line) and not re.match(rf"^\s*({re.escape(self.d.index_type)} )?{n} = ", line)
+                for line in body)), None)
+            if dead is None:
+                break
+            own = re.compile(rf"^\s*({re.escape(self.d.index_type)} )?{dead} = ")
+            body = [line for line in body if not own.match(line)]
+        self.emit.lines[self.body_start:] = body
+
+    def read(self, name: str, off: str) -> str:
+        """``name[off]`` as a compute-type value; float16/bfloat16 graph tensors are widened here."""
+        if name in self.narrow:
+            return self.d.narrow[self.narrow[name]][1].format(p=name, i=off)
+        return f"{name}[{off}]"
+
+    def write(self, name: str, off: str, value: str) -> str:
+        """The statement storing ``value`` at ``name[off]``, rounded to nearest even for narrow floats."""
+        if name in self.narrow:
+            return self.d.narrow[self.narrow[name]][2].format(p=name, i=off, v=value) + ";"
+        return f"{name}[{off}] = {value};"
+
+    def _ct(self, name: str) -> str:
+        if name in self.buffers:
+            return compute_type(self.buffers[name])
+        return next(s.dtype for s in self.scratch if s.name == name)
+
+    def add_scratch(self, name: str, count: int, dtype: str) -> str:
+        self.scratch.append(Scratch(name, max(1, count), dtype))
+        return name
+
+    def loader(self, space: Sequence[int], idx: Sequence[str], ct: str) -> Callable[[Load], str]:
+        """Loads over ``space`` whose per-dim indices are ``idx``; rotate_half pairs along the last dim."""
+        last, half = idx[-1] if idx else "0", (space[-1] // 2 if space else 0)
+
+        def load(ld: Load) -> str:
+            strides = broadcast_strides(self.buffers[ld.buffer], space)
+            if not ld.rotate_half:
+                return self.read(ld.buffer, indexing.offset(idx, strides, self.ix))
+            partner = list(idx[:-1]) + [f"({last} < {half} ? {last} + {half} : {last} - {half})"]
+            value = self.read(ld.buffer, indexing.offset(partner, strides, self.ix))
+            return f"({last} < {half} ? -{value} : {value})"
+
+        return load
+
+    def gid(self, total: int) -> None:
+        self.emit(f"{self.d.index_type} gid = {self.d.ids['global']};")
+        self.emit(f"if (gid >= {total}) return;")
+
+    # -- kernels ------------------------------------------------------------------------
+    def pointwise(self, k: Pointwise) -> None:
+        ct = compute_type(self.buffers[k.out])
+        total = max(1, math.prod(k.space))
+        self.kernel(k.name, [k.out] + k.reads(), -(-total // GROUP), GROUP)
+        self.gid(total)
+        idx = [f"i{d}" for d in range(len(k.space))]
+        indexing.decompose(self.emit, "gid", k.space, idx, self.ix)
+        self.emit(self.write(k.out, "gid", self.expr(k.expr, self.loader(k.space, idx, ct), ct)))
+        self.close()
+
+    @staticmethod
+    def combiner(kind: str, ct: str) -> Callable[[str, str], str]:
+        """How a row reduction combines two partial values: a sum, or a NaN-propagating max."""
+        if kind == "sum":
+            return lambda a, b: f"{a} + {b}"
+        return lambda a, b: f"y_max_{SUFFIX[ct]}({a}, {b})"
+
+    def row(self, k: Row) -> None:
+        emit, d = self.emit, self.d
+        ct = compute_type(self.buffers[k.out])
+        t = self.ctype(ct)
+        length = k.space[k.axis]
+        row_dims = [x for i, x in enumerate(k.space) if i != k.axis]
+        rows = max(1, math.prod(row_dims))
+        local = min(ROW_GROUP_MAX, 1 << max(0, (length - 1).bit_length()))
+        self.kernel(k.name, [k.out] + k.reads(), rows, local)
+        emit(f"{d.local} {t} red[{local}];")
+        emit(f"{d.index_type} r = {d.ids['group']};")
+        emit(f"{d.index_type} lid = {d.ids['local']};")
+        ridx = [f"i{i}" for i in range(len(row_dims))]
+        indexing.decompose(emit, "r", row_dims, ridx, self.ix)
+        idx = list(ridx)
+        idx.insert(k.axis, "l")
+        load = self.loader(k.space, idx, ct)
+        for red in k.reductions:
+            init = self.const(0 if red.combine == "sum" else -math.inf, ct)
+            combine = self.combiner(red.combine, ct)
+            emit(f"{t} p_{red.var} = {init};")
+            with emit.block(f"for ({d.index_type} l = lid; l < {length}; l += {local}) {{"):
+                emit(f"p_{red.var} = {combine(f'p_{red.var}', self.expr(red.expr, load, ct))};")
+            emit("}")
+            emit(f"red[lid] = p_{red.var};")
+            emit(d.barrier)
+            with emit.block(f"for (int h = {local // 2}; h > 0; h >>= 1) {{"):
+                with emit.block("if (lid < h) {"):
+                    emit(f"red[lid] = {combine('red[lid]', 'red[lid + h]')};")
+                emit("}")
+                emit(d.barrier)
+            emit("}")
+            emit(f"{t} v_{red.var} = red[0];")
+            emit(d.barrier)  # red is reused by the next reduction
+        if k.per_row:
+            out_dims = tuple(1 if i == k.axis else x for i, x in enumerate(k.space))
+            out_off = indexing.offset(ridx, [s for i, s in enumerate(contiguous_strides(out_dims)) if i != k.axis],
+                                      self.ix)
+            row_idx = list(ridx)
+            row_idx.insert(k.axis, "0")
+            with emit.block("if (lid == 0) {"):
+                emit(self.write(k.out, out_off, self.expr(k.out_expr, self.loader(k.space, row_idx, ct), ct)))
+            emit("}")
+        else:
+            out_off = indexing.offset(idx, contiguous_strides(k.space), self.ix)
+            with emit.block(f"for ({d.index_type} l = lid; l < {length}; l += {local}) {{"):
+                emit(self.write(k.out, out_off, self.expr(k.out_expr, load, ct)))
+            emit("}")
+        self.close()
+
+    def matmul(self, k: Matmul) -> None:
+        emit = self.emit
+        ct = compute_type(self.buffers[k.out])
+        t = self.ctype(ct)
+        nb = max(1, math.prod(k.batch))
+        scale = k.row_scale is not None
+        a_names = list(dict.fromkeys(loads(k.a) + (loads(k.row_scale) if k.row_scale is not None else [])))
+        a_src = self._plain_a(k)
+        bidx = [f"q{i}" for i in range(len(k.batch))]
+        if a_src is None or scale:
+            # prologue: one work-item per row of A materializes it, scaled by a fused RMSNorm's rsqrt
+            a_src = self.add_scratch(f"s_{k.name}_a", nb * k.m * k.k, ct)
+            self.kernel(f"{k.name}_pro", [a_src] + a_names, -(-(nb * k.m) // GROUP), GROUP)
+            self.gid(nb * k.m)
+            ridx = bidx + ["mm"]
+            indexing.decompose(emit, "gid", k.batch + (k.m,), ridx, self.ix)
+            load = self.loader(k.a_space, ridx + ["kk"], ct)
+            if scale:
+                emit(f"{t} ss = {self.const(0, ct)};")
+            with emit.block(f"for ({self.d.index_type} kk = 0; kk < {k.k}; kk++) {{"):
+                emit(f"{a_src}[gid * {k.k} + kk] = {self.expr(k.a, load, ct)};")
+                if k.row_scale is not None:
+                    emit(f"{t} x = {self.expr(k.row_scale, load, ct)};")
+                    emit("ss = ss + x * x;")
+            emit("}")
+            if scale:
+                sqrt = self.d.math["sqrt"]
+                emit(f"{t} sc = {self.const(1, ct)} / {sqrt}(ss / {self.const(k.k, ct)} + {self.const(k.eps, ct)});")
+                with emit.block(f"for ({self.d.index_type} kk = 0; kk < {k.k}; kk++) {{"):
+                    emit(f"{a_src}[gid * {k.k} + kk] = {a_src}[gid * {k.k} + kk] * sc;")
+                emit("}")
+            self.close()
+            a_names = [a_src]
+        epi = list(dict.fromkeys(loads(k.epilogue)))
+        args = list(dict.fromkeys([k.out] + a_names + [k.b] + epi))
+        total = nb * k.m * k.n
+        self.kernel(k.name, args, -(-total // GROUP), GROUP)
+        self.gid(total)
+        indexing.decompose(emit, "gid", k.space, bidx + ["mm", "nn"], self.ix)
+        emit(f"{self.d.index_type} arow = (gid / {k.n}) * {k.k};")
+        b_off = indexing.offset(bidx + ["kk", "nn"], broadcast_strides(self.buffers[k.b], k.batch + (k.k, k.n)),
+                                self.ix)
+        emit(f"{t} v_acc = {self.const(0, ct)};")
+        with emit.block(f"for ({self.d.index_type} kk = 0; kk < {k.k}; kk++) {{"):
+            emit(f"v_acc = v_acc + {self.read(a_src, 'arow + kk')} * {self.read(k.b, b_off)};")
+        emit("}")
+        if scale:
+            emit(f"{t} v_scale = {self.const(1, ct)};  // A's rows are scaled already")
+        epi_load = self.loader(k.space, bidx + ["mm", "nn"], ct)
+        emit(self.write(k.out, "gid", self.expr(k.epilogue, epi_load, ct)))
+        self.close()
+
+    def _plain_a(self, k: Matmul) -> str | None:
+        if isinstance(k.a, Load) and not k.a.rotate_half:
+            b = self.buffers[k.a.buffer]
+            if b.dims == k.a_space and b.strides == contiguous_strides(b.dims):
+                return b.name
+        return None
+
+    def embedding(self, k: Embedding) -> None:
+        ids, table = self.buffers[k.ids], self.buffers[k.table]
+        status = self.add_scratch(f"{k.name}_st", 1, "int32")
+        message = (f"embedding ids must lie in [0, {k.vocab}); the id at flat position {{pos}} of input {k.ids} "
+                   "is out of range")
+        total = k.tokens * k.dim
+        check = Check(status, "IndexError", message)
+        self.kernel(k.name, [k.out, k.ids, k.table, status], -(-total // GROUP), GROUP, check)
+        self.gid(total)
+        it = self.d.index_type
+        self.emit(f"{it} t = gid / {k.dim};")
+        self.emit(f"{it} dd = gid - t * {k.dim};")
+        idx = [f"i{d}" for d in range(len(ids.dims))]
+        indexing.decompose(self.emit, "t", ids.dims, idx, self.ix)
+        self.emit(f"{it} tok = ({it}){k.ids}[{indexing.offset(idx, ids.strides, self.ix)}];")
+        with self.emit.block(f"if (tok < 0 || tok >= {k.vocab}) {{"):
+            self.emit(f"{status}[0] = (int)(t + 1);")
+            self.emit("return;")
+        self.emit("}")
+        sv, sd = table.strides
+        self.emit(self.write(k.out, "gid", self.read(k.table, indexing.offset(["tok", "dd"], (sv, sd), self.ix))))
+        self.close()
+
+    def attention(self, k: Attention) -> None:
+        emit, it = self.emit, self.d.index_type
+        out, q, kc, vc = (self.buffers[x] for x in (k.out, k.q, k.k, k.v))
+        ct = compute_type(out)
+        t = self.ctype(ct)
+        s = SUFFIX[ct]
+        pairs = k.batch * k.heads
+        sc = self.add_scratch(f"s_{k.name}_sc", pairs * k.seq, ct)
+        args = [k.out, k.q, k.k, k.v] + ([k.lengths] if k.lengths else [])
+        check = None
+        if k.lengths:
+            status = self.add_scratch(f"{k.name}_st", 1, "int32")
+            check = Check(status, "ValueError",
+                          f"attention lengths must lie in [1, {k.seq}]; batch {{pos}} has length {{value}}", k.lengths)
+            args.append(status)
+        args.append(sc)
+        self.kernel(k.name, args, -(-pairs // GROUP), GROUP, check)
+        self.gid(pairs)
+        emit(f"{it} b = gid / {k.heads};")
+        emit(f"{it} h = gid - b * {k.heads};")
+        emit(f"{it} g = h / {k.heads // k.kv_heads};")
+        if k.lengths:
+            ls = self.buffers[k.lengths].strides[0]
+            emit(f"{it} n = ({it}){k.lengths}[b * {ls}];")
+            with emit.block(f"if (n < 1 || n > {k.seq}) {{"):
+                emit(f"{status}[0] = (int)(b + 1);")
+                emit("return;")
+            emit("}")
+        else:
+            emit(f"{it} n = {k.seq};")
+        qs, ks, vs = q.strides, kc.strides, vc.strides
+        emit(f"{it} qb = {indexing.offset(['b', 'h'], qs[:2], self.ix)};")
+        emit(f"{it} kb = {indexing.offset(['b', 'g'], ks[:2], self.ix)};")
+        emit(f"{it} vb = {indexing.offset(['b', 'g'], vs[:2], self.ix)};")
+        emit(f"{it} sb = gid * {k.seq};")
+        emit(f"{t} mx = {self.const(-math.inf, ct)};")
+        with emit.block(f"for ({it} s = 0; s < n; s++) {{"):
+            emit(f"{t} acc = {self.const(0, ct)};")
+            emit(f"{it} kr = {indexing.at('kb', 's', ks[2], self.ix)};")
+            with emit.block(f"for ({it} d = 0; d < {k.head_dim}; d++) {{"):
+                emit(f"acc = acc + {self.read(k.q, indexing.at('qb', 'd', qs[2], self.ix))} * "
+                     f"{self.read(k.k, indexing.at('kr', 'd', ks[3], self.ix))};")
+            emit("}")
+            emit(f"acc = acc * {self.const(k.scale, ct)};")
+            emit(f"{sc}[sb + s] = acc;")
+            emit(f"mx = y_max_{s}(mx, acc);")
+        emit("}")
+        emit(f"{t} tot = {self.const(0, ct)};")
+        with emit.block(f"for ({it} s = 0; s < n; s++) {{"):
+            emit(f"{t} e = {self.d.math['exp']}({sc}[sb + s] - mx);")
+            emit(f"{sc}[sb + s] = e;")
+            emit("tot = tot + e;")
+        emit("}")
+        emit(f"{it} ob = gid * {k.head_dim};")
+        v_at = indexing.at(indexing.at("vb", "s", vs[2], self.ix), "d", vs[3], self.ix)
+        with emit.block(f"for ({it} d = 0; d < {k.head_dim}; d++) {{"):
+            emit(f"{t} o = {self.const(0, ct)};")
+            with emit.block(f"for ({it} s = 0; s < n; s++) {{"):
+                emit(f"o = o + ({sc}[sb + s] / tot) * {self.read(k.v, v_at)};")
+            emit("}")
+            emit(self.write(k.out, "ob + d", "o"))
+        emit("}")
+        self.close()
+
+    def render(self) -> Rendered:
+        check_supported(self.plan, self.d)
+        cts = {compute_type(b) for b in self.buffers.values()}
+        self.emit(f"// Generated by yirage's C-family renderer {RENDERER_VERSION} ({self.d.name}) for plan "
+                  f"{self.plan.digest}.")
+        if self.d.preamble:
+            for line in self.d.preamble.splitlines():
+                self.emit(line)
+        if "float64" in cts and self.d.double_pragma:
+            self.emit(self.d.double_pragma)
+        for dtype in sorted(set(self.narrow.values())):
+            for line in self.d.narrow_helpers.get(dtype, "").splitlines():
+                self.emit(line)
+        self.helpers(cts | {"float32"} if self.d.types.get("float32") else cts)
+        for k in self.plan.kernels:
+            self.KERNELS[type(k)](self, k)
+        return Rendered(self.emit.source(), tuple(self.launches), tuple(self.scratch))
+
+    KERNELS: dict[type, Callable[[_Renderer, Kernel], None]] = {}  # filled below
+
+
+_Renderer.KERNELS.update({Pointwise: _Renderer.pointwise, Row: _Renderer.row, Matmul: _Renderer.matmul,
+                          Embedding: _Renderer.embedding, Attention: _Renderer.attention})
+
+
+def render(plan: KernelPlan, dialect: Dialect) -> Rendered:
+    """The plan's kernels in ``dialect``, with how to launch each; raises UnsupportedExprError first."""
+    return _Renderer(plan, dialect).render()
+
+
+def render_plan(plan: KernelPlan, dialect: Dialect) -> str:
+    """Just the source of ``render(plan, dialect)``."""
+    return render(plan, dialect).source

@@ -1,0 +1,112 @@
+"""What one C-family language spells differently: the ``Dialect`` a dialect module fills in.
+
+The renderer (``yirage.codegen.cstyle``) writes every kernel once; a dialect
+holds only the words that differ between OpenCL C, CUDA C, HIP and Metal:
+qualifiers, thread and group indices, barriers, local memory, scalar type
+names and the math library. Modeled on tinygrad's ``CStyleLanguage``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from yirage.codegen.exprs import UnsupportedExprError, compute_type
+from yirage.compiler.kernel_ir import FUNCTIONS, Call, Expr, KernelPlan, Matmul, Pointwise, Row
+
+#: the math-library names each IR function needs from a dialect ("" = plain operators only)
+NEEDS: dict[str, tuple[str, ...]] = {
+    "add": (), "sub": (), "mul": (), "div": (), "max": (), "min": (), "relu": (), "square": (), "neg": (),
+    "exp": ("exp",), "silu": ("exp",), "sqrt": ("sqrt",), "rsqrt": ("sqrt",), "pow": ("pow",),
+    "gelu": ("erf",),
+}
+assert set(NEEDS) == set(FUNCTIONS), "every IR function needs an entry in NEEDS"
+
+#: IR functions that only make sense on floating-point values
+FLOAT_ONLY = frozenset({"exp", "silu", "sqrt", "rsqrt", "pow", "gelu", "div"})
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """Spellings of one C-family language; ``functions`` is derived from ``math``.
+
+    ``param(i, ctype, name, writable)`` spells kernel parameter ``i``;
+    ``ids`` maps "global", "group", "local" and "local_size" to their spelling
+    (Metal's come in as extra kernel parameters, listed in ``id_params``).
+    ``types`` maps compute types (float32, float64, int32, int64) to C names; a
+    dtype missing there is one the language cannot compute in. float16 and
+    bfloat16 are computed in float32: ``narrow`` spells their loads and stores.
+    """
+
+    name: str
+    preamble: str
+    kernel: str  # qualifiers before the kernel name, e.g. "__kernel void"
+    param: Callable[[int, str, str, bool], str]
+    ids: Mapping[str, str]
+    barrier: str
+    local: str  # qualifier of a work-group-shared array
+    inline: str  # qualifiers of a helper function
+    index_type: str
+    types: Mapping[str, str]
+    math: Mapping[str, str]  # generic name (exp, sqrt, erf, pow) -> this language's overloaded name
+    id_params: tuple[str, ...] = ()
+    float_suffix: str = "f"
+    infinity: Mapping[str, str] = field(default_factory=dict)  # compute type -> +inf
+    double_pragma: str = ""  # emitted when a kernel computes in float64
+    launch_bounds: Callable[[int], str] = lambda n: ""  # e.g. CUDA's __launch_bounds__(n)
+    #: float16/bfloat16 graph tensors: dtype -> (storage type, load "{p}[{i}]" as float, store {v} there)
+    narrow: Mapping[str, tuple[str, str, str]] = field(default_factory=dict)
+    narrow_helpers: Mapping[str, str] = field(default_factory=dict)  # dtype -> helper source they need
+
+    @property
+    def functions(self) -> frozenset[str]:
+        """The IR functions this dialect spells: those whose math-library needs it covers."""
+        return frozenset(fn for fn, needs in NEEDS.items() if all(n in self.math for n in needs))
+
+
+def plan_functions(plan: KernelPlan) -> dict[str, set[str]]:
+    """Every IR function the plan calls, with the compute types it is called at."""
+    found: dict[str, set[str]] = {}
+
+    def walk(e: Expr | None, ct: str) -> None:
+        if isinstance(e, Call):
+            found.setdefault(e.fn, set()).add(ct)
+            for a in e.args:
+                walk(a, ct)
+
+    for k in plan.kernels:
+        ct = compute_type(plan.buffers[k.out])
+        exprs: list[Expr | None] = []
+        if isinstance(k, Pointwise):
+            exprs = [k.expr]
+        elif isinstance(k, Row):
+            exprs = [r.expr for r in k.reductions] + [k.out_expr]
+        elif isinstance(k, Matmul):
+            exprs = [k.a, k.epilogue, k.row_scale]
+        for e in exprs:
+            walk(e, ct)
+    return found
+
+
+def check_supported(plan: KernelPlan, dialect: Dialect) -> None:
+    """Raise one clear error naming every function or dtype of ``plan`` that ``dialect`` cannot spell."""
+    missing = sorted(fn for fn in plan_functions(plan) if fn not in dialect.functions)
+    if missing:
+        raise UnsupportedExprError(
+            f"the {dialect.name} dialect cannot spell the IR function(s) {', '.join(missing)} (its math library "
+            f"lacks {', '.join(sorted({n for fn in missing for n in NEEDS[fn]} - set(dialect.math)))}); "
+            f"add the spelling to yirage/codegen/dialects/{dialect.name}.py, or compile with another backend "
+            "(e.g. backend='cpu' or 'reference')")
+    ints = sorted(fn for fn, cts in plan_functions(plan).items() if fn in FLOAT_ONLY and cts & {"int32", "int64"})
+    if ints:
+        raise UnsupportedExprError(
+            f"the C-family renderer has no integer spelling of {', '.join(ints)}; cast the inputs to a float "
+            "dtype first, or compile with backend='cpu' or 'reference'")
+    types = sorted(({compute_type(b) for b in plan.buffers.values()} - set(dialect.types))
+                   | ({b.dtype.name for b in plan.buffers.values() if b.role != "temp"}
+                      & {"float16", "bfloat16"}) - set(dialect.narrow))
+    if types:
+        raise UnsupportedExprError(
+            f"the {dialect.name} dialect cannot compute in {', '.join(types)} (it has "
+            f"{', '.join(sorted(dialect.types))}); cast the graph's tensors to one of those, or compile with "
+            "another backend (e.g. backend='cpu')")
