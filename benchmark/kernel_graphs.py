@@ -1,11 +1,15 @@
-"""yirage's CPU backend vs torch eager and torch.compile on W1-W3 of shared/BENCHMARKS.md, in one run.
+"""yirage's backends (cpu, opencl, ...) vs torch eager and torch.compile on W1-W3 of shared/BENCHMARKS.md, in one run.
 
-    .venv/bin/python benchmark/kernel_graphs.py [--quick] [--json] [--workloads w1 w2 w3]
+    .venv/bin/python benchmark/kernel_graphs.py [--quick] [--json] [--workloads w1 w2 w3] [--backends cpu opencl]
 
 Every figure is a median of timed calls (p10/p90 beside it) measured in this run, implementations interleaved
 call by call so drift hits them alike. Ratios are peer median / yirage median: > 1 means yirage is faster;
 ratios within 1.15x either way print as ties. Each implementation's output is checked against torch eager
 before it is timed; one that is wrong (or fails to build) is reported and gets no figure.
+
+--backends defaults to every available backend that renders and builds kernel graphs (kernel_dtypes holds
+float32 and it has a render stage); the reference backend, torch eager op by op, is the eager column already.
+Each backend other than --baseline (default cpu) also gets its ratio against the baseline backend's same impl.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 
 import yirage as yr
 from yirage import system
+from yirage.backend.selection import registry
 
 TIE = 1.15
 K = N = 4096
@@ -53,7 +58,10 @@ class Result:
     p10_us: float | None = None
     p90_us: float | None = None
     setup_s: float | None = None  # build + compile + first call
+    backend: str | None = None  # the yirage backend of a yirage impl; None for torch impls and probes
+    variant: str = ""  # what tells a workload's yirage impls of one backend apart, e.g. "(W row-major)"
     extra: dict[str, float] = field(default_factory=dict)  # compile_s, gbps, share_of_bound, gflops, vs_*
+    # vs_baseline: the baseline backend's median for the same variant / this median (> 1: this backend faster)
     error: str | None = None
 
 
@@ -87,11 +95,15 @@ def timed(impls: dict[str, Call], reps: int, warmup: int, inner: int = 1
 
 
 def measure(workload: str, case: str, makers: dict[str, Maker], ref: torch.Tensor, reps: int, warmup: int,
-            inner: int = 1, probes: dict[str, Call] | None = None) -> list[Result]:
+            inner: int = 1, probes: dict[str, Call] | None = None, baseline: str | None = None) -> list[Result]:
     """Build each impl, run it once and check it against `ref`, then time those that passed; a failure becomes a
-    Result with an error. `probes` (reference measurements, not impls) are timed alongside, unchecked."""
+    Result with an error. `probes` (reference measurements, not impls) are timed alongside, unchecked.
+    A yirage impl of a backend other than `baseline` is also compared with the baseline's impl of its variant."""
     ready: dict[str, Call] = {}
     results = {name: Result(workload, case, name) for name in [*makers, *(probes or {})]}
+    for name, make in makers.items():
+        if isinstance(make, YirageMaker):
+            results[name].backend, results[name].variant = make.backend, make.variant
     for name, make in makers.items():
         res, start = results[name], time.perf_counter()
         try:
@@ -112,21 +124,47 @@ def measure(workload: str, case: str, makers: dict[str, Maker], ref: torch.Tenso
         res = results[name]
         res.extra["page_faults_per_call"] = faults[name]
         res.median_us, res.p10_us, res.p90_us = statistics.median(ns) / 1e3, percentile(ns, 0.1), percentile(ns, 0.9)
+    base_us = {r.variant: r.median_us for r in results.values() if r.backend == baseline and r.median_us}
     for res in results.values():
-        if res.impl.startswith("yirage") and res.median_us:
+        if res.backend is not None and res.median_us:
             for peer, key in ((EAGER, "vs_eager"), (COMPILED, "vs_compile")):
                 if (peer_us := results[peer].median_us) is not None:
                     res.extra[key] = peer_us / res.median_us
+            if res.backend != baseline and (peer_us := base_us.get(res.variant)) is not None:
+                res.extra["vs_baseline"] = peer_us / res.median_us
     return list(results.values())
 
 
-def yirage_maker(build: Callable[[yr.KernelGraph], None], inputs: Inputs) -> Maker:
-    def make() -> tuple[Call, float | None]:
-        g = yr.new_kernel_graph(backend="cpu")
-        build(g)
+@dataclass(frozen=True)
+class YirageMaker:
+    """Builds one yirage impl: the kernel graph `build` makes, compiled for `backend`."""
+
+    backend: str
+    variant: str
+    build: Callable[[yr.KernelGraph], None]
+    inputs: Inputs
+
+    def __call__(self) -> tuple[Call, float | None]:
+        g = yr.new_kernel_graph(backend=self.backend)
+        self.build(g)
         exe = g.compile()
-        return (lambda i: exe(inputs(i))[0]), exe.compile_seconds
-    return make
+        return (lambda i: exe(self.inputs(i))[0]), exe.compile_seconds
+
+
+def yirage_makers(backends: list[str], build: Callable[[yr.KernelGraph], None], inputs: Inputs,
+                  variant: str = "") -> dict[str, Maker]:
+    """One impl per backend, named `yirage[<backend>] <variant>`."""
+    return {f"yirage[{b}] {variant}".rstrip(): YirageMaker(b, variant, build, inputs) for b in backends}
+
+
+def compiling_backends() -> list[str]:
+    """The available backends that render and build float32 kernel graphs, in the registry's order."""
+    found = []
+    for kind in yr.get_available_backends():
+        backend = registry().get(kind.value)
+        if "float32" in backend.kernel_dtypes and type(backend).render is not yr.Backend.render:
+            found.append(kind.value)
+    return found
 
 
 def torch_maker(fn: Callable[..., torch.Tensor], inputs: Inputs, compiled: bool) -> Maker:
@@ -169,7 +207,7 @@ def dram_bound(reps: int) -> float:
     return t.numel() * 4 / statistics.median(ns)
 
 
-def bench_w1(reps: int, bound: float) -> list[Result]:
+def bench_w1(reps: int, bound: float, backends: list[str], baseline: str) -> list[Result]:
     out: list[Result] = []
     for batch in (1, 8, 64):
         copies = COLD_COPIES if batch == 1 else 1
@@ -187,15 +225,15 @@ def bench_w1(reps: int, bound: float) -> list[Result]:
         pre_t, row_major = rotate(x, gvec, w_t), rotate(x, gvec, w_kn)
         probes = {SUM_T: summed(w_nk), SUM_KN: summed(w_kn)}
         makers = {
-            "yirage (W pre-transposed)": yirage_maker(graph((1, N)), pre_t),
-            "yirage (W row-major)": yirage_maker(graph(None), row_major),
+            **yirage_makers(backends, graph((1, N)), pre_t, "(W pre-transposed)"),
+            **yirage_makers(backends, graph(None), row_major, "(W row-major)"),
             EAGER: torch_maker(rms_linear, pre_t, compiled=False),
             COMPILED: torch_maker(rms_linear, pre_t, compiled=True),
         }
         case = f"B={batch} cold ({copies} x 64 MiB W)" if batch == 1 else f"B={batch}"
         n = reps if batch == 1 else max(5, reps * 2 // 3 if batch == 8 else reps // 2)
         results = measure("W1 RMSNorm+Linear", case, makers, rms_linear(*pre_t(0)), n, warmup=max(6, n // 10),
-                          probes=probes if batch == 1 else None)
+                          probes=probes if batch == 1 else None, baseline=baseline)
         gbps = {r.impl: K * N * 4 / (r.median_us * 1e3) for r in results if r.median_us}  # W bytes per ns
         for r in (r for r in results if r.impl in gbps):
             if batch > 1:
@@ -208,7 +246,7 @@ def bench_w1(reps: int, bound: float) -> list[Result]:
     return out
 
 
-def bench_w2(reps: int) -> list[Result]:
+def bench_w2(reps: int, backends: list[str], baseline: str) -> list[Result]:
     out: list[Result] = []
     for shape in W2_SHAPES:
         a, b, r = (torch.randn(shape) for _ in range(3))
@@ -218,22 +256,28 @@ def bench_w2(reps: int) -> list[Result]:
             g.mark_output(g.add(g.mul(g.silu(A), B), R))
 
         args = same([a, b, r])
-        makers = {"yirage": yirage_maker(build, args), EAGER: torch_maker(swiglu, args, compiled=False),
+        makers = {**yirage_makers(backends, build, args), EAGER: torch_maker(swiglu, args, compiled=False),
                   COMPILED: torch_maker(swiglu, args, compiled=True)}
         n = reps * 5 if shape[0] == 1 else reps
-        out += measure("W2 SwiGLU silu(a)*b+r", str(shape), makers, swiglu(a, b, r), n, warmup=max(10, n // 10))
+        out += measure("W2 SwiGLU silu(a)*b+r", str(shape), makers, swiglu(a, b, r), n, warmup=max(10, n // 10),
+                       baseline=baseline)
     return out
 
 
-def bench_w3(reps: int, inner: int) -> list[Result]:
+def bench_w3(reps: int, inner: int, backends: list[str], baseline: str) -> list[Result]:
     p, q = torch.randn(16), torch.randn(16)
     pair = same([p, q])
-    makers = {"yirage": yirage_maker(lambda g: g.mark_output(g.add(g.new_input((16,)), g.new_input((16,)))), pair),
+
+    def build(g: yr.KernelGraph) -> None:
+        g.mark_output(g.add(g.new_input((16,)), g.new_input((16,))))
+
+    makers = {**yirage_makers(backends, build, pair),
               EAGER: torch_maker(add, pair, compiled=False), COMPILED: torch_maker(add, pair, compiled=True)}
-    return measure("W3 per-call overhead", "add 16+16", makers, p + q, reps, warmup=max(5, reps // 10), inner=inner)
+    return measure("W3 per-call overhead", "add 16+16", makers, p + q, reps, warmup=max(5, reps // 10), inner=inner,
+                   baseline=baseline)
 
 
-def config() -> dict[str, Any]:
+def config(backends: list[str]) -> dict[str, Any]:
     facts = system.host_facts()
     nconfig: Any = numba.config
     try:
@@ -247,6 +291,7 @@ def config() -> dict[str, Any]:
         "torch_interop_threads": torch.get_num_interop_threads(), "numba": numba.__version__,
         "numba_threads": numba.get_num_threads(), "numba_config_threads": nconfig.NUMBA_NUM_THREADS,
         "numba_threading_layer": layer, "yirage": yr.__version__, "yirage_git": git_revision(),
+        "yirage_backends": {b: yr.get_backend_info(b)["reason"] for b in backends},
     }
 
 
@@ -262,27 +307,30 @@ def fmt(value: float | None, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def verdict(ratio: float | None) -> str:
+def verdict(ratio: float | None, ours: str = "yirage", theirs: str = "peer") -> str:
     if ratio is None:
         return "-"
-    word = "tie" if 1 / TIE < ratio < TIE else ("yirage" if ratio >= TIE else "peer")
+    word = "tie" if 1 / TIE < ratio < TIE else (ours if ratio >= TIE else theirs)
     return f"{ratio:.2f}x {word}"
 
 
-def print_tables(cfg: dict[str, Any], bound: float | None, results: list[Result], quick: bool) -> None:
+def print_tables(cfg: dict[str, Any], bound: float | None, results: list[Result], quick: bool,
+                 baseline: str) -> None:
     print("configuration: " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
     if bound is not None:
         print(f"DRAM read bound (STREAM-like torch sum over one {STREAM_MIB} MiB tensor, median): {bound:.1f} GB/s; "
               "the sum(W) probe rows read the very weight copies W1 reads, interleaved with the impls")
     print(f"ratios = peer median / yirage median (>1: yirage faster); within {TIE}x = tie; times in µs"
-          + (" (--quick: a smoke run, not a measurement)" if quick else "") + "\n")
-    head = (f"{'case':<24} {'impl':<26} {'median':>9} {'p10':>9} {'p90':>9} {'setup s':>8} "
-            f"{'eager/yr':>13} {'compile/yr':>13}  note")
+          + (" (--quick: a smoke run, not a measurement)" if quick else ""))
+    print(f"{baseline}/yr = the {baseline} backend's median for the same impl / this backend's median "
+          f"(>1: this backend faster)\n")
+    head = (f"{'case':<24} {'impl':<34} {'median':>9} {'p10':>9} {'p90':>9} {'setup s':>8} "
+            f"{'eager/yr':>13} {'compile/yr':>13} {baseline + '/yr':>16}  note")
     for workload in dict.fromkeys(r.workload for r in results):
         print(f"== {workload} ==\n{head}\n{'-' * len(head)}")
         for r in (r for r in results if r.workload == workload):
             if r.error:
-                print(f"{r.case:<24} {r.impl:<26} FAILED: {r.error[:200]}")
+                print(f"{r.case:<24} {r.impl:<34} FAILED: {r.error[:200]}")
                 continue
             e, notes = r.extra, []
             if "gbps" in e:
@@ -294,9 +342,10 @@ def print_tables(cfg: dict[str, Any], bound: float | None, results: list[Result]
             notes += [f"{faults:.0f} page faults/call"] if faults >= 1 else []
             notes += [f"yirage compile {e['compile_s']:.2f} s"] if "compile_s" in e else []
             note = "; ".join(notes)
-            print(f"{r.case:<24} {r.impl:<26} {fmt(r.median_us):>9} {fmt(r.p10_us):>9} {fmt(r.p90_us):>9} "
+            vs_base = verdict(e.get("vs_baseline"), r.backend or "yirage", baseline)
+            print(f"{r.case:<24} {r.impl:<34} {fmt(r.median_us):>9} {fmt(r.p10_us):>9} {fmt(r.p90_us):>9} "
                   f"{fmt(r.setup_s, '.2f'):>8} {verdict(e.get('vs_eager')):>13} "
-                  f"{verdict(e.get('vs_compile')):>13}  {note}".rstrip())
+                  f"{verdict(e.get('vs_compile')):>13} {vs_base:>16}  {note}".rstrip())
         print()
 
 
@@ -305,22 +354,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="few repetitions: a smoke run, not a measurement")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--workloads", nargs="+", choices=("w1", "w2", "w3"), default=["w1", "w2", "w3"])
+    parser.add_argument("--backends", nargs="+", metavar="NAME",
+                        help="yirage backends to run (default: every available one that compiles kernel graphs)")
+    parser.add_argument("--baseline", default="cpu", metavar="NAME",
+                        help="the backend the others are also compared with (default: cpu; '-' if it is not run)")
     args = parser.parse_args(argv)
+    compiling = compiling_backends()
+    backends: list[str] = args.backends or compiling
+    if not backends:
+        parser.error("no available backend compiles kernel graphs: install one, e.g. pip install -e backends/cpu")
+    for name in backends:
+        if not yr.is_backend_available(name):
+            why = yr.get_backend_info(name)["reason"] if name in registry() else "no such backend"
+            parser.error(f"--backends {name}: {why}; choose among the available ones: {', '.join(compiling)}")
+        if not registry().get(name).kernel_dtypes:
+            parser.error(f"--backends {name}: this backend does not compile kernel graphs; "
+                         f"choose among: {', '.join(compiling)}")
     torch.set_num_threads(system.host_facts()["physical_cores"] or torch.get_num_threads())
     torch.manual_seed(0)
     w1_reps, w2_reps, w3_reps, w3_inner = (8, 20, 10, 50) if args.quick else (90, 300, 150, 200)
     bound = dram_bound(5 if args.quick else 30) if "w1" in args.workloads else None
+    base = args.baseline
     benches: dict[str, Callable[[], list[Result]]] = {
-        "w1": lambda: bench_w1(w1_reps, bound or 0.0), "w2": lambda: bench_w2(w2_reps),
-        "w3": lambda: bench_w3(w3_reps, w3_inner)}
+        "w1": lambda: bench_w1(w1_reps, bound or 0.0, backends, base), "w2": lambda: bench_w2(w2_reps, backends, base),
+        "w3": lambda: bench_w3(w3_reps, w3_inner, backends, base)}
     results = [res for name, bench in benches.items() if name in args.workloads for res in bench()]
-    cfg = config()  # after the runs: numba's threading layer is known once a parallel kernel ran
+    cfg = config(backends)  # after the runs: numba's threading layer is known once a parallel kernel ran
     if args.json:
         json.dump({"config": cfg, "dram_bound_gbps": bound, "tie_below": TIE, "quick": args.quick,
-                   "results": [asdict(r) for r in results]}, sys.stdout, indent=1)
+                   "baseline_backend": base, "results": [asdict(r) for r in results]}, sys.stdout, indent=1)
         print()
     else:
-        print_tables(cfg, bound, results, args.quick)
+        print_tables(cfg, bound, results, args.quick, base)
     return 0
 
 

@@ -1,15 +1,29 @@
 """Command line: ``python -m yirage`` and ``tools/backend_manager.py``.
 
-Subcommands: ``info`` (backends, plugins, host, default) and ``set`` (save
-the default backend for later processes).
+Subcommands: ``info`` (backends, plugins, host, default), ``set`` (save
+the default backend for later processes) and ``test`` (run the conformance
+kit on one backend in a child pytest and summarise it).
+
+``test`` on a backend that cannot run here fails with the probe's reason,
+unless the backend offers a compile-only check: a ``compile_check()`` method
+returning a report with ``ok: bool`` and ``summary() -> str`` (the CUDA
+backend's ``check_conformance`` report has that shape). Compiling every kernel
+without a device is then the most that can be checked, and is labelled so.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import subprocess
 import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from yirage import config, system
@@ -131,6 +145,125 @@ def cmd_set(args: argparse.Namespace) -> int:
     return 0
 
 
+#: the kit's ``--quick`` subset: everything but the extreme-value cases and the seeded random graphs
+QUICK_SELECTION = "not extreme and not random"
+KIT = "yirage.testing.conformance"
+
+
+@dataclass
+class KitResult:
+    """Outcome counts of one conformance-kit run, from its JUnit XML report."""
+
+    passed: int = 0
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (test id, first line of the message)
+    errors: list[tuple[str, str]] = field(default_factory=list)
+    skipped: Counter[str] = field(default_factory=Counter)  # skip reason -> count
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.errors and self.passed > 0
+
+
+def _first_line(text: str | None) -> str:
+    return (text or "").strip().splitlines()[0] if (text or "").strip() else "(no message)"
+
+
+def parse_junit(path: Path) -> KitResult:
+    """Count passed/failed/error/skipped test cases in the JUnit XML file pytest wrote."""
+    result = KitResult()
+    for case in ET.parse(path).getroot().iter("testcase"):
+        test_id = f"{case.get('classname')}::{case.get('name')}" if case.get("classname") else str(case.get("name"))
+        failure, error, skip = case.find("failure"), case.find("error"), case.find("skipped")
+        if failure is not None:
+            result.failed.append((test_id, _first_line(failure.get("message"))))
+        elif error is not None:
+            result.errors.append((test_id, _first_line(error.get("message"))))
+        elif skip is not None:
+            result.skipped[_first_line(skip.get("message"))] += 1
+        else:
+            result.passed += 1
+    return result
+
+
+def print_kit_summary(name: str, quick: bool, result: KitResult) -> None:
+    subset = f' (quick: -k "{QUICK_SELECTION}")' if quick else ""
+    skipped = sum(result.skipped.values())
+    print()
+    print(f"conformance kit on {name!r}{subset}: {result.passed} passed, {len(result.failed)} failed, "
+          f"{len(result.errors)} errors, {skipped} skipped")
+    for reason, count in result.skipped.most_common():
+        print(f"  skipped {count}x: {reason}")
+    for test_id, message in result.failed:
+        print(f"  FAILED {test_id}: {message}")
+    for test_id, message in result.errors:
+        print(f"  ERROR  {test_id}: {message}")
+    if result.ok:
+        print(f"PASS: {name!r} passes the conformance kit{' subset' if quick else ''}")
+    elif not result.failed and not result.errors:
+        print(f"FAIL: no case passed on {name!r} (every case was skipped): it does not conform")
+    else:
+        print(f"FAIL: {len(result.failed) + len(result.errors)} case(s) failed on {name!r}; rerun one with "
+              f"`python -m pytest --pyargs {KIT} --yirage-backend {name} -k '<test name>'`")
+
+
+def run_kit(name: str, quick: bool) -> int:
+    """Run the kit on ``name`` in a child pytest, echo its output, print the summary; 0 only if nothing failed."""
+    for module in ("pytest", "hypothesis", "torch"):
+        if importlib.util.find_spec(module) is None:
+            raise YirageError(f"the conformance kit needs {module}, which is not installed; "
+                              f"install it (`pip install {module}`) and run the test again")
+    with tempfile.TemporaryDirectory(prefix="yirage-kit-") as tmp:
+        report = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "--pyargs", KIT, "--yirage-backend", name, "-q",
+               "-p", "no:cacheprovider", f"--junitxml={report}"]
+        if quick:
+            cmd += ["-k", QUICK_SELECTION]
+        sys.stdout.flush()
+        # cwd: a fresh directory, so no project's pytest configuration (addopts, conftest) changes the kit
+        with subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as child:
+            assert child.stdout is not None
+            for line in child.stdout:
+                sys.stdout.write(line)
+            code = child.wait()
+        if not report.exists():
+            raise YirageError(f"the conformance kit did not run on {name!r} (pytest exit {code}); "
+                              f"its output above says why: fix that and run the test again")
+        result = parse_junit(report)
+    print_kit_summary(name, quick, result)
+    if code != 0 and result.ok:  # e.g. an error in a session fixture that is not a test case
+        print(f"FAIL: pytest exited with status {code}; see its output above")
+        return 1
+    return 0 if result.ok else 1
+
+
+def run_compile_only(name: str, reason: str, check: Any) -> int:
+    """Run a backend's compile-only check (for a backend with no device here) and print its summary."""
+    print(f"{name!r} cannot run here: {reason}")
+    print("running its COMPILE-ONLY check instead: every kernel is compiled, none is run on a device")
+    sys.stdout.flush()
+    report = check()
+    if not hasattr(report, "ok") or not callable(getattr(report, "summary", None)):
+        raise YirageError(f"backend {name!r}: compile_check() returned {type(report).__name__}, not a report "
+                          f"with `ok` and `summary()`; fix the backend's compile_check")
+    print(f"[compile-only] {report.summary()}")
+    verdict = "PASS" if report.ok else "FAIL"
+    print(f"{verdict} (compile-only: nothing was executed, numerical conformance was NOT checked)")
+    return 0 if report.ok else 1
+
+
+def cmd_test(args: argparse.Namespace) -> int:
+    name = args.backend.strip().lower()
+    backend = selection.registry().get(name)  # unknown names raise the registry's error
+    availability = backend.availability()
+    if availability.ok:
+        return run_kit(name, args.quick)
+    check = getattr(backend, "compile_check", None)
+    if callable(check):
+        return run_compile_only(name, availability.reason, check)
+    raise YirageError(f"backend {name!r} cannot be tested on this machine: {availability.reason}. "
+                      f"Run the test where its device is present (`python -m yirage info` lists what runs here)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="yirage", description="yirage backend manager")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -141,6 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     set_.add_argument("backend", help="a backend name or 'auto'")
     set_.add_argument("--force", action="store_true", help="save even if the backend is unavailable here")
     set_.set_defaults(func=cmd_set)
+    test = sub.add_parser("test", help="run the conformance kit on one backend and summarise the outcome")
+    test.add_argument("backend", help="a backend name (see `info`)")
+    test.add_argument("--quick", action="store_true",
+                      help=f'only a fast subset of the kit (-k "{QUICK_SELECTION}"); no effect on a compile-only check')
+    test.set_defaults(func=cmd_test)
     return parser
 
 

@@ -167,6 +167,10 @@ class Backend:
     # -- filled in by the compiler and runtime layers --------------------
     #: dtypes this backend compiles kernel graphs for; empty: it cannot yet
     kernel_dtypes: ClassVar[frozenset[str]] = frozenset()
+    #: optional: a method ``compile_check(self)`` for machines without the device, compiling every
+    #: conformance-kit kernel without running it; returns an object with ``ok: bool`` and ``summary() -> str``
+    #: (``backend_manager.py test NAME`` runs it when the backend is unavailable here)
+    compile_check: ClassVar[Any] = None
 
     def compile(self, plan: Any, graph: Any) -> Any:
         """Build a callable ``run(inputs) -> outputs`` for a fused KernelPlan.

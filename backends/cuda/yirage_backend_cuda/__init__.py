@@ -54,6 +54,10 @@ class CUDABackend(yirage.Backend):
     device_kind = "gpu"
     description = "CUDA C kernels (NVRTC/nvcc) on NVIDIA GPUs"
 
+    def compile_check(self) -> CheckReport:  # type: ignore[override]
+        """Compile-only conformance check for machines without a GPU: every kit plan through NVRTC (+ ptxas)."""
+        return check_conformance()
+
     def probe(self) -> yirage.Availability:
         facts = torch_cuda_facts()
         if facts.error and not facts.torch_version:
