@@ -208,8 +208,9 @@ def test_build_writes_one_private_cubin_per_target_arch_into_the_cache(tmp_path:
     assert backend.target() == "sm_80,sm_90"
     assert toolchain().fingerprint() in backend.fingerprint()
     artifact = compile_cached(backend, plan=None, root=tmp_path)
-    assert artifact.rebuilt and artifact.files == ("kernels.sm_80.cubin", "kernels.sm_90.cubin")
-    for name, arch in zip(artifact.files, ARCHS, strict=True):
+    assert artifact.rebuilt and artifact.files == ("kernels.cu", "kernels.sm_80.cubin", "kernels.sm_90.cubin")
+    assert (artifact.directory / "kernels.cu").read_text() == SHARED  # the source, for load and for readers
+    for name, arch in zip(artifact.files[1:], ARCHS, strict=True):
         path = artifact.directory / name
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         _, sm, funcs = readelf(path.read_bytes(), tmp_path)

@@ -35,10 +35,13 @@ def zoo(tmp_path_factory):
     return zoo_factory(tmp_path_factory)
 
 
-@pytest.fixture(params=["reference", "cpu"])
+@pytest.fixture(params=[b.value for b in yr.get_available_backends()])
 def backend(request) -> str:
-    if not yr.is_backend_available(request.param):
-        pytest.skip(f"backend {request.param!r} is not available here")
+    """Every available backend with a PersistentKernel runtime: each must fail on every break."""
+    from yirage.backend.selection import registry
+
+    if type(registry().get(request.param)).persistent_runtime is yr.Backend.persistent_runtime:
+        pytest.skip(f"backend {request.param!r} has no PersistentKernel runtime yet")
     return request.param
 
 

@@ -27,6 +27,17 @@ from yirage.persistent.layers import LayerError
 
 transformers = pytest.importorskip("transformers")
 needs_cpu = pytest.mark.skipif(not yr.is_backend_available("cpu"), reason="no cpu backend")
+
+
+def compiled_pk_backends() -> list[str]:
+    """Available backends whose PersistentKernel runtime runs compiled code (all but the torch reference)."""
+    from yirage.backend.selection import registry
+
+    return [b.value for b in yr.get_available_backends() if b.value != "reference"
+            and type(registry().get(b.value)).persistent_runtime is not yr.Backend.persistent_runtime]
+
+
+COMPILED = compiled_pk_backends() or [pytest.param("cpu", marks=pytest.mark.skip(reason="no compiled PK runtime"))]
 TIMEOUT = 900  # a cold numba compile of the decode loop takes up to a minute or two on a busy machine
 ROOT = Path(__file__).resolve().parents[1]  # children import this module as tests.test_pk_safety
 
@@ -152,12 +163,12 @@ def test_compile_refuses_a_picker_wider_than_the_embed_table() -> None:
     hand_built_kernel("reference", embed_rows=64, vocab=32).compile()  # a narrower picker is fine
 
 
-@needs_cpu
-def test_cpu_decode_stops_instead_of_reading_past_the_embed_table() -> None:
-    """Defence in depth: even with the compile check bypassed, the EMBED task bounds-checks the token."""
-    proc = run_python("""
+@pytest.mark.parametrize("backend", COMPILED)
+def test_decode_stops_instead_of_reading_past_the_embed_table(backend) -> None:
+    """Defence in depth: even with the compile check bypassed, the decode bounds-checks the token."""
+    proc = run_python(f"""
         import torch, tests.test_pk_safety as t
-        pk = t.hand_built_kernel("cpu", embed_rows=8, vocab=64)
+        pk = t.hand_built_kernel({backend!r}, embed_rows=8, vocab=64)
         pk._check_token_range = lambda: None  # bypass the compile-time check on purpose
         pk.compile()
         pk.tokens[0, 0] = 5
@@ -275,13 +286,13 @@ def test_unsafe_meta_tensors_never_reach_compiled_code_and_in_place_swaps_are_ca
 # -- item 6: Ctrl-C -------------------------------------------------------------------------------------------
 
 
-@needs_cpu
-def test_ctrl_c_stops_a_long_generate_quickly_and_the_engine_stays_usable(tiny) -> None:
+@pytest.mark.parametrize("backend", COMPILED)
+def test_ctrl_c_stops_a_long_generate_quickly_and_the_engine_stays_usable(tiny, backend) -> None:
     path, _ = tiny
     child = textwrap.dedent(f"""
         import time, torch
         from yirage.engine import InferEngine, GenerationConfig
-        engine = InferEngine({str(path)!r}, backend="cpu")
+        engine = InferEngine({str(path)!r}, backend={backend!r})
         ids = torch.tensor([[1, 2, 3]])
         short = GenerationConfig(max_new_tokens=12, eos_token_id=())
         engine.generate(ids, short)  # compile first
@@ -294,7 +305,7 @@ def test_ctrl_c_stops_a_long_generate_quickly_and_the_engine_stays_usable(tiny) 
             kept = engine._tokens[0, 3:step + 1].clone()  # the first token (prefill) and every completed step
             beyond = int(engine._tokens[0, step + 1:].abs().sum())
             again = engine.generate(ids, short).tokens  # the interrupted engine is still usable
-            fresh = InferEngine({str(path)!r}, backend="cpu")
+            fresh = InferEngine({str(path)!r}, backend={backend!r})
             same = torch.equal(again, fresh.generate(ids, short).tokens)
             prefix = fresh.generate(ids, GenerationConfig(max_new_tokens=step - 2, eos_token_id=())).tokens[0]
             print("interrupted", stamp, step, beyond, same, torch.equal(kept, prefix), flush=True)
@@ -355,10 +366,10 @@ def test_a_meta_device_context_or_fake_mode_never_reaches_the_cpu_runtime() -> N
         assert "call it outside FakeTensorMode" in out[label]
 
 
-@needs_cpu
-def test_a_storage_swapped_out_during_a_run_stays_alive_and_the_next_run_reports_it() -> None:
+@pytest.mark.parametrize("backend", COMPILED)
+def test_a_storage_swapped_out_during_a_run_stays_alive_and_the_next_run_reports_it(backend) -> None:
     """Another thread's tokens.set_(...) mid-decode freed the memory the decode loop was writing."""
-    proc = run_python("""
+    proc = run_python(f"""
         import threading, torch, tests.test_pk_safety as t
         import yirage as yr
         from yirage.persistent.layers import LayerError
@@ -366,9 +377,9 @@ def test_a_storage_swapped_out_during_a_run_stays_alive_and_the_next_run_reports
         seq = 2048
         # 64 MB: above glibc's largest mmap threshold, so freeing it unmaps it and a later write faults
         tokens = torch.zeros(1, 8 * 2**20, dtype=torch.int64)
-        pk = t.hand_built_kernel("cpu", tokens=tokens, seq=seq).compile()
+        pk = t.hand_built_kernel({backend!r}, tokens=tokens, seq=seq).compile()
         pk.tokens[0, 0] = 3
-        swapped = {}
+        swapped = {{}}
 
         def swap():
             while int(pk.step[0]) < 8:  # the decode is under way

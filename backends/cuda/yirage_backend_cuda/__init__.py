@@ -6,7 +6,9 @@ CUDA (not a ROCm/HIP) build, so those devices go to their own backends.
 
 Kernel plans are rendered by the core's C-family renderer in the CUDA dialect,
 built to cubins with NVRTC (``nvrtc.py``; works without a GPU, so CI compiles
-for sm_80 and sm_90) and loaded through the driver API (``driver.py``).
+for sm_80 and sm_90) and launched on torch CUDA tensors through the driver API
+(``launch.py`` over ``driver.py``; ``capturable(exe)`` is the CUDA-graph-capturable
+call path).
 ``compile_check`` (any sources) and ``check_conformance`` (every plan of the
 conformance kit) are the compile-only entry points for CI and backend_manager.
 """
@@ -20,12 +22,11 @@ from typing import Any
 import yirage
 from yirage.backend.probes import TorchCudaFacts, TorchDevice, torch_cuda_facts, torch_cuda_memory
 from yirage.compiler.cache import write_private
-from yirage.errors import NotSupportedError
 from yirage_backend_cuda.check import DEFAULT_ARCHS, CheckFailure, CheckReport, check_conformance, compile_check
 from yirage_backend_cuda.nvrtc import BUILD_OPTIONS, CompileError, ToolchainError, compile_cuda, toolchain
 
 __all__ = ["BUILD_OPTIONS", "CUDABackend", "CheckFailure", "CheckReport", "CompileError", "ToolchainError",
-           "check_conformance", "compile_check"]
+           "capturable", "check_conformance", "compile_check"]
 
 YIRAGE_PLUGIN_API = 1
 
@@ -53,6 +54,7 @@ class CUDABackend(yirage.Backend):
     torch_device = "cuda"
     device_kind = "gpu"
     description = "CUDA C kernels (NVRTC/nvcc) on NVIDIA GPUs"
+    kernel_dtypes = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
 
     def compile_check(self) -> CheckReport:  # type: ignore[override]
         """Compile-only conformance check for machines without a GPU: every kit plan through NVRTC (+ ptxas)."""
@@ -97,6 +99,14 @@ class CUDABackend(yirage.Backend):
         self.require_available()
         return nvidia_devices(torch_cuda_facts())
 
+    def _load_device(self) -> TorchDevice:
+        """Where plans are built for and loaded: torch's current device when it is NVIDIA's, else the first one."""
+        import torch
+
+        devices = self._devices()
+        current = torch.cuda.current_device()
+        return next((d for d in devices if d.index == current), devices[0])
+
     def device_count(self) -> int:
         return len(self._devices()) if self.availability().ok else 0
 
@@ -117,16 +127,15 @@ class CUDABackend(yirage.Backend):
 
     # -- compile stages ------------------------------------------------------
     def render(self, plan: Any) -> str:
-        """The plan's kernels as CUDA C (the core's C-family renderer, CUDA dialect)."""
-        from yirage.codegen.cstyle import render_plan
-        from yirage.codegen.dialects import dialect
+        """The plan's kernels as CUDA C (the core's C-family renderer, CUDA dialect) under a launch-metadata line."""
+        from yirage_backend_cuda.launch import render_source
 
-        return render_plan(plan, dialect("cuda"))
+        return render_source(plan)
 
     def target(self) -> str:
-        """The first NVIDIA device's arch (``"sm_86"``) where one exists, else the compile-check archs."""
+        """The load device's arch (``"sm_86"``) where an NVIDIA GPU exists, else the compile-check archs."""
         if self.availability().ok:
-            device = self._devices()[0]
+            device = self._load_device()
             if device.capability:
                 return f"sm_{device.capability[0]}{device.capability[1]}"
         return ",".join(DEFAULT_ARCHS)
@@ -136,21 +145,33 @@ class CUDABackend(yirage.Backend):
         return f"{super().fingerprint()}:{toolchain().fingerprint()}:{' '.join(BUILD_OPTIONS)}"
 
     def build(self, source: str, workdir: Path) -> list[Path]:
-        """One cubin per target arch, ``kernels.<arch>.cubin``; any NVRTC error or warning raises CompileError."""
-        paths = []
-        for arch in self.target().split(","):
-            result = compile_cuda(source, arch, name="kernels.cu", options=BUILD_OPTIONS)
-            path = workdir / f"kernels.{arch}.cubin"
-            write_private(path, result.cubin)
-            paths.append(path)
+        """``kernels.cu`` (the source with its launch metadata) and one ``kernels.<arch>.cubin`` per target arch.
+
+        Any NVRTC error or warning raises CompileError before anything is written.
+        """
+        from yirage_backend_cuda.launch import SOURCE_NAME
+
+        cubins = {arch: compile_cuda(source, arch, name=SOURCE_NAME, options=BUILD_OPTIONS).cubin
+                  for arch in self.target().split(",")}
+        paths = [workdir / SOURCE_NAME]
+        write_private(paths[0], source)
+        for arch, cubin in cubins.items():
+            paths.append(workdir / f"kernels.{arch}.cubin")
+            write_private(paths[-1], cubin)
         return paths
 
     def load(self, artifact: Any) -> Any:
-        """Not yet: the plan launcher (outputs, scratch, status checks over ``driver.CudaModule``) is to be written."""
-        raise NotSupportedError(
-            f"backend 'cuda' built {', '.join(artifact.files)} in {artifact.directory} but cannot run kernel "
-            "plans yet (the plan launcher over yirage_backend_cuda.driver is not written); "
-            "use backend='cpu' or backend='reference'")
+        """A ``PlanLauncher`` over the entry's cubin for the load device (``launch.py`` says how a call runs)."""
+        from yirage_backend_cuda.launch import load
+
+        return load(artifact, self._load_device().index)
+
+
+def capturable(executable: Any) -> Any:
+    """The CUDA-graph-capturable call path of a graph compiled for cuda (see ``launch.capturable``)."""
+    from yirage_backend_cuda.launch import capturable as make
+
+    return make(executable)
 
 
 @yirage.hookimpl

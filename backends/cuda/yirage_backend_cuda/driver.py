@@ -7,7 +7,9 @@ dtype, layout, contiguity and storage size before its address reaches the
 kernel, and launches on torch's current stream with no host synchronisation
 (so a call can be captured into a CUDA graph). Lifetimes follow torch's rule
 for its own kernels: the caching allocator reuses a freed tensor's memory only
-in stream order, after the launch on the same stream has run.
+in stream order, after the launch on the same stream has run. ``CudaKernel`` is
+for hand-written kernels; rendered plans go through ``launch.PlanLauncher``,
+which uses ``CudaModule.function`` and checks a plan's buffers itself.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def _driver() -> Any:
     return driver
 
 
-def _call(driver: Any, what: str, result: Any) -> Any:
+def call(driver: Any, what: str, result: Any) -> Any:
+    """Unpack a cuda-bindings ``(status, *values)`` tuple; raise DriverError naming ``what`` on failure."""
     status, *values = result
     if status != driver.CUresult.CUDA_SUCCESS:
         _, text = driver.cuGetErrorString(status)
@@ -116,50 +119,63 @@ def _dims(what: str, dims: Sequence[int], limits: Sequence[int]) -> tuple[int, i
 class CudaModule:
     """A cubin loaded into the primary context of torch's device ``device_index`` (shared with torch)."""
 
-    def __init__(self, cubin: bytes, device_index: int) -> None:
+    def __init__(self, cubin: bytes, device_index: int, *, driver: Any = None,
+                 capability: tuple[int, int] | None = None) -> None:
+        """``driver``/``capability`` default to cuda-bindings' driver and torch's view of the device
+        (tests inject a recording driver and an arch to run the launch path without a GPU)."""
         import torch
 
-        driver = _driver()
+        if driver is None:
+            torch.cuda.init()  # torch creates (and owns) the primary context we retain below
+            driver = _driver()
         info = inspect_cubin(cubin)
-        major, minor = torch.cuda.get_device_capability(device_index)
+        major, minor = capability or torch.cuda.get_device_capability(device_index)
         sm = int(info.arch[3:].rstrip("af"))
         if sm // 10 != major or sm % 10 > minor:
             raise LaunchError(f"the cubin is for {info.arch} but cuda:{device_index} is sm_{major}{minor}; "
                               f"build it for sm_{major}{minor} (the backend's target() names the device's arch)")
-        torch.cuda.init()
-        _call(driver, "cuInit", driver.cuInit(0))
+        call(driver, "cuInit", driver.cuInit(0))
         self.device_index = device_index
         self.kernels = info.kernels
-        self._driver = driver
-        device = _call(driver, "cuDeviceGet", driver.cuDeviceGet(device_index))
-        self._ctx = _call(driver, "cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(device))
-        with self._current():
-            self._module = _call(driver, "cuModuleLoadData", driver.cuModuleLoadData(cubin))
+        self.driver = driver
+        device = call(driver, "cuDeviceGet", driver.cuDeviceGet(device_index))
+        self._ctx = call(driver, "cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(device))
+        with self.current():
+            self._module = call(driver, "cuModuleLoadData", driver.cuModuleLoadData(cubin))
 
-    def _current(self) -> Any:
+    def current(self) -> Any:
+        """A context manager making the module's context current on this thread (driver calls need it)."""
         module = self
 
         class _Push:
             def __enter__(self) -> None:
-                _call(module._driver, "cuCtxPushCurrent", module._driver.cuCtxPushCurrent(module._ctx))
+                call(module.driver, "cuCtxPushCurrent", module.driver.cuCtxPushCurrent(module._ctx))
 
             def __exit__(self, *exc: object) -> None:
-                _call(module._driver, "cuCtxPopCurrent", module._driver.cuCtxPopCurrent())
+                call(module.driver, "cuCtxPopCurrent", module.driver.cuCtxPopCurrent())
 
         return _Push()
 
-    def kernel(self, name: str, params: Sequence[TensorParam | ScalarParam]) -> CudaKernel:
-        """The ``__global__`` function ``name`` with its declared parameters."""
+    def function(self, name: str) -> Any:
+        """The ``CUfunction`` of ``__global__`` ``name``; its arguments are the caller's to check."""
         if name not in self.kernels:
             raise LaunchError(f"the cubin has no kernel {name!r}; it has {', '.join(self.kernels) or 'none'} "
                               "(declare kernels extern \"C\" so their names are not mangled)")
+        with self.current():
+            return call(self.driver, "cuModuleGetFunction", self.driver.cuModuleGetFunction(self._module,
+                                                                                             name.encode()))
+
+    def max_threads(self, fn: Any) -> int:
+        """The most threads a block of ``fn`` may have (its registers and ``__launch_bounds__`` decide)."""
+        attr = self.driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
+        return int(call(self.driver, "cuFuncGetAttribute", self.driver.cuFuncGetAttribute(attr, fn)))
+
+    def kernel(self, name: str, params: Sequence[TensorParam | ScalarParam]) -> CudaKernel:
+        """The ``__global__`` function ``name`` with its declared parameters."""
         for p in params:
             if isinstance(p, ScalarParam) and p.kind not in SCALARS:
                 raise LaunchError(f"scalar kind {p.kind!r} is not one of {', '.join(SCALARS)}")
-        with self._current():
-            fn = _call(self._driver, "cuModuleGetFunction", self._driver.cuModuleGetFunction(self._module,
-                                                                                             name.encode()))
-        return CudaKernel(self, fn, name, tuple(params))
+        return CudaKernel(self, self.function(name), name, tuple(params))
 
 
 class CudaKernel:
@@ -167,9 +183,7 @@ class CudaKernel:
 
     def __init__(self, module: CudaModule, fn: Any, name: str, params: tuple[TensorParam | ScalarParam, ...]) -> None:
         self.module, self._fn, self.name, self.params = module, fn, name, params
-        attr = module._driver.CUfunction_attribute
-        self._max_threads = _call(module._driver, "cuFuncGetAttribute", module._driver.cuFuncGetAttribute(
-            attr.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, fn))
+        self._max_threads = module.max_threads(fn)
 
     def __call__(self, *args: Any, grid: Sequence[int], block: Sequence[int], shared_mem: int = 0) -> None:
         import torch
@@ -182,8 +196,8 @@ class CudaKernel:
             raise LaunchError(f"shared_mem={shared_mem!r} must be 0..49152 bytes (more needs an opt-in attribute)")
         values = pack_args(self.params, args, self.module.device_index)
         pointers = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
-        driver = self.module._driver
+        driver = self.module.driver
         stream = driver.CUstream(torch.cuda.current_stream(self.module.device_index).cuda_stream)
-        with self.module._current():
-            _call(driver, "cuLaunchKernel", driver.cuLaunchKernel(self._fn, *g, *b, shared_mem, stream,
+        with self.module.current():
+            call(driver, "cuLaunchKernel", driver.cuLaunchKernel(self._fn, *g, *b, shared_mem, stream,
                                                                   ctypes.addressof(pointers), 0))

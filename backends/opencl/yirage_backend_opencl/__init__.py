@@ -155,6 +155,12 @@ class OpenCLBackend(yirage.Backend):
 
         return target()
 
+    def persistent_runtime(self, program: Any, config: Any) -> Any:
+        """One decode step as enqueued kernels on the selected device (why not a persistent kernel: pk_runtime)."""
+        from yirage_backend_opencl.pk_runtime import OpenCLPersistentRuntime
+
+        return OpenCLPersistentRuntime(program, config)
+
 
 @yirage.hookimpl
 def yirage_backends() -> list[type[yirage.Backend]]:

@@ -15,8 +15,9 @@ DIALECT = Dialect(
     inline="inline",
     index_type="long",
     types={"float32": "float", "int32": "int", "int64": "long"},
-    math={"exp": "precise::exp", "sqrt": "precise::sqrt", "pow": "precise::pow"},
+    math={"exp": "precise::exp", "sqrt": "precise::sqrt", "pow": "precise::pow", "int_as_float": "as_type<float>"},
     infinity={"float32": "INFINITY"},
+    unsigned={"uint32": "uint", "uint64": "ulong"}, bits="as_type<uint>({x})",
     narrow={"float16": ("half", "float({p}[{i}])", "{p}[{i}] = half({v})"),
             "bfloat16": ("bfloat", "float({p}[{i}])", "{p}[{i}] = bfloat({v})")},  # bfloat: MSL 3.1
 )

@@ -1,0 +1,164 @@
+"""The C-family PersistentKernel renderer (yirage.persistent.cstyle) and the runtimes built on it.
+
+Oracles: the rendered source's own text parsed independently of the
+renderer's tables (structure), NVRTC and ptxas (CUDA, no GPU needed), torch's
+top-k / softmax over the logits each sampled token was drawn from (sampling),
+and transformers (the OpenCL device-copy mode). The greedy/logit comparisons
+with transformers on every backend live in test_persistent.py, the breaks
+they must catch in test_llm_ablation.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import yirage as yr
+from yirage.codegen.dialects import dialect
+from yirage.engine import GenerationConfig, InferEngine
+from yirage.persistent.cstyle import CTL, SCORES, STEP, XS, render_persistent
+
+transformers = pytest.importorskip("transformers")
+
+from llm_oracle import KINDS, assert_decode_matches, zoo_factory  # noqa: E402 - needs transformers
+
+DIALECTS = ("opencl", "cuda", "hip", "metal")
+SAMPLING = {"temperature": 1.5, "top_k": 50, "top_p": 0.9, "seed": 7}
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    return zoo_factory(tmp_path_factory)
+
+
+def program(zoo, kind: str, dtype=torch.float32, sampling=None, batch: int = 2):
+    """The frozen program of a zoo model's decoder (built on the reference backend: only the program is used)."""
+    engine = InferEngine(zoo(kind, dtype).path, backend="reference")
+    engine.reset_cache(batch, 16)
+    return engine.model.build_decoder(engine._step, engine._tokens, backend="reference", sampling=sampling).program
+
+
+def kernels(source: str, kernel_word: str) -> dict[str, list[str]]:
+    """kernel name -> parameter names, parsed from the source."""
+    found = {}
+    for m in re.finditer(rf"^{re.escape(kernel_word)} (?:__launch_bounds__\(\d+\) )?(\w+)\((.*)\) \{{$", source, re.M):
+        found[m.group(1)] = [re.sub(r"\s*\[\[.*?\]\]", "", p).split()[-1].lstrip("*") for p in m.group(2).split(", ")]
+    return found
+
+
+def body(source: str, name: str) -> str:
+    start = source.index("{", re.search(rf"\b{name}\(", source).start())
+    depth = 0
+    for j in range(start, len(source)):
+        depth += {"{": 1, "}": -1}.get(source[j], 0)
+        if depth == 0:
+            return source[start:j + 1]
+    raise AssertionError(f"unbalanced braces in {name}")
+
+
+@pytest.mark.parametrize("lanes", (0, 8))
+@pytest.mark.parametrize("dialect_name", DIALECTS)
+def test_every_launch_names_a_kernel_whose_parameters_are_its_arguments(zoo, dialect_name, lanes) -> None:
+    d = dialect(dialect_name)
+    prog = program(zoo, "qwen2-bias-tied", torch.bfloat16, SAMPLING)  # biases, narrow weights, the sampler
+    rendered = render_persistent(prog, d, lanes=lanes)
+    source = rendered.source
+    assert source.count("{") == source.count("}")
+    sigs = kernels(source, d.kernel)
+    ids = [p.split()[1] for p in d.id_params]
+    names = {f"t{t.index}" for t in prog.tensors} | {CTL, STEP, XS, SCORES}
+    for launch in (rendered.begin, *rendered.layers, rendered.commit):
+        assert launch.kernel in sigs, f"{launch.kernel} is launched but not defined"
+        assert len(sigs[launch.kernel]) == len(launch.args) + len(ids), launch
+        assert set(launch.args) <= names and launch.groups >= 1 and launch.local >= 1
+    assert set(sigs) == {x.kernel for x in (rendered.begin, *rendered.layers, rendered.commit)}, "dead kernels"
+    assert {x.layer for x in rendered.layers} == {layer.index for layer in prog.layers}, "every layer runs"
+    assert [x.layer for x in rendered.layers] == sorted(x.layer for x in rendered.layers), "layers in order"
+    for name in sigs:
+        text = body(source, name)
+        shared = f"{d.local} " in text
+        assert (d.barrier in text) == shared, f"{name}: barriers exactly where local memory is shared"
+    # equal layers share one kernel: the two blocks of the model need no more kernels than one
+    per_block = {x.kernel for x in rendered.layers if prog.layers[x.layer].output.name.endswith("1")}
+    assert per_block and per_block <= {x.kernel for x in rendered.layers if
+                                       prog.layers[x.layer].output.name.endswith("0")} | per_block
+
+
+# every test model in float32, greedy; the sampler, biases and narrow weights once each
+CUDA_MODELS = [(kind, torch.float32, None) for kind in KINDS] + [
+    ("llama-gqa", torch.float32, SAMPLING), ("qwen2-bias-tied", torch.bfloat16, SAMPLING),
+    ("mistral-gqa", torch.float16, None)]
+
+
+def test_the_persistent_kernel_of_every_test_model_compiles_for_cuda(zoo) -> None:
+    """Issue 9: NVRTC (and ptxas) compile the decoders of the LLM test models for sm_80 and sm_90, no warnings."""
+    cuda = pytest.importorskip("yirage_backend_cuda")
+    try:
+        cuda.nvrtc.toolchain()
+    except cuda.ToolchainError as exc:
+        pytest.skip(f"NVRTC is not usable here: {exc}")
+    sources = {f"{kind}-{str(dtype)[6:]}-{'sampling' if sampling else 'greedy'}":
+               render_persistent(program(zoo, kind, dtype, sampling), dialect("cuda")).source
+               for kind, dtype, sampling in CUDA_MODELS}
+    report = cuda.compile_check(sources, ("sm_80", "sm_90"), options=cuda.BUILD_OPTIONS)
+    print(report.summary())
+    assert report.ok and report.compiled == 2 * len(sources), report.summary() + "".join(
+        f"\n{f.name} {f.arch}: {f.message[:2000]}" for f in report.failures)
+
+
+def pk_backends() -> list[str]:
+    from yirage.backend.selection import registry
+
+    return [b.value for b in yr.get_available_backends()
+            if type(registry().get(b.value)).persistent_runtime is not yr.Backend.persistent_runtime]
+
+
+@pytest.mark.parametrize("backend", pk_backends())
+@pytest.mark.parametrize("top_k, top_p", ((5, 1.0), (0, 0.5), (20, 0.8)))
+def test_sampled_tokens_come_from_the_top_k_and_nucleus_of_their_logits(zoo, backend, top_k, top_p) -> None:
+    model = zoo("llama-gqa")
+    engine = InferEngine(model.path, backend=backend)
+    temperature = 2.0
+    config = GenerationConfig(max_new_tokens=12, eos_token_id=(), temperature=temperature, top_k=top_k, top_p=top_p,
+                              seed=11, output_logits=True)
+    result = engine.generate(model.reference.ids, config)
+    drawn = set()
+    for row in range(result.tokens.shape[0]):
+        for step in range(1, result.tokens.shape[1]):  # token 0 comes from the prefill, not the decoder
+            scores = result.logits[row, step].double() / temperature
+            token = int(result.tokens[row, step])
+            drawn.add(token)
+            order = torch.argsort(scores, descending=True)
+            rank = int((order == token).nonzero())
+            if top_k:
+                assert rank < top_k, f"step {step} row {row}: token {token} has rank {rank}, outside top_k={top_k}"
+            kept = scores[order[: top_k or len(order)]]
+            probs = torch.softmax(kept, 0)
+            above = float(probs[:rank].sum())
+            assert above < top_p + 1e-5, (f"step {step} row {row}: token {token} has {above:.4f} of the mass "
+                                          f"ranked above it, outside the top_p={top_p} nucleus")
+    assert len(drawn) > 2, f"only {sorted(drawn)} were drawn: the draw ignores the seed or the distribution"
+
+
+def test_opencl_gpu_layout_and_device_copy_mode_match_transformers(zoo, monkeypatch) -> None:
+    """The paths of GPUs, forced on PoCL: device copies (uploads, read-backs, value()), work-group GEMVs."""
+    if not yr.is_backend_available("opencl"):
+        pytest.skip("the opencl backend is not available here")
+    from yirage_backend_opencl import OpenCLBackend
+    from yirage_backend_opencl.pk_runtime import OpenCLPersistentRuntime
+
+    made = []
+
+    def device_copy(self, program, config):
+        made.append(OpenCLPersistentRuntime(program, config, zero_copy=False, lanes=0))
+        return made[-1]
+
+    monkeypatch.setattr(OpenCLBackend, "persistent_runtime", device_copy)
+    model = zoo("mistral-gqa")
+    engine = InferEngine(model.path, backend="opencl")
+    result = engine.generate(model.reference.ids, GenerationConfig(max_new_tokens=32, eos_token_id=(),
+                                                                   output_logits=True))
+    assert made and not made[0].zero_copy and "red[" in made[0].rendered.source  # the work-group GEMV
+    assert_decode_matches(model.reference, result.tokens, result.logits, label=f"{model.label}, device-copy mode")

@@ -1,0 +1,557 @@
+"""A PersistentProgram's task bodies as C-family kernels, for runtimes that enqueue one step as kernels.
+
+``render_persistent(program, dialect)`` spells every layer of a frozen
+PersistentProgram (``yirage.persistent.program``) as one or two kernels in a
+``Dialect`` (OpenCL C, CUDA C, HIP, Metal) and returns them with the launch
+order of one decode step: ``begin`` (which rows are still decoding, token ids
+in range), the layers in index order, ``commit`` (append the picked token,
+advance ``step``) and ``begin`` again, so the host reads one small control
+buffer per step. Layers are read through their descriptor rows (the named
+columns of ``yirage.persistent.specs``), shapes are baked in as constants,
+and layers with equal shapes and dtypes share one kernel.
+
+Work split: GEMV layers run one work-group per output column (threads split
+the reduction, every batch row at once); RMSNorm one work-group per row;
+attention one work-item per query head after a kernel that rotates and
+stores the new key/value; argmax one work-group per row; sampling one
+work-item per row. The math follows the reference runtime: float32 compute,
+weights widened from bfloat16/float16 as they load, IEEE (no fast math, no
+contraction), NaN-propagating max, first index on argmax ties.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from yirage.codegen.dialect import Dialect
+from yirage.codegen.emit import Emitter
+from yirage.errors import NotSupportedError
+from yirage.persistent.program import PersistentProgram
+from yirage.persistent.specs import FloatCol, IntCol
+
+RENDERER_VERSION = "1"
+GROUP = 64  # work-group size of GEMV, norm and argmax kernels (a power of two)
+MAX_LOCAL_FLOATS = 4096  # a GEMV's partial sums: GROUP x batch floats of local memory at most
+
+# the control buffer (int64): what the host reads after every step
+CTL_ALIVE, CTL_STEPS, CTL_ERROR, CTL_ERR_ROW, CTL_ERR_VALUE = range(5)
+CTL_ACTIVE = 8  # ctl[CTL_ACTIVE + b]: row b decodes in this step
+
+#: internal buffers every rendering uses besides the program's tensors: name -> (dtype, what it holds)
+CTL, STEP, XS, SCORES = "ctl", "step", "xs", "scores"
+
+
+@dataclass(frozen=True)
+class PKLaunch:
+    """One kernel launch: ``args`` name buffers (``t<index>`` for program tensors, or CTL/STEP/XS/SCORES)."""
+
+    kernel: str
+    args: tuple[str, ...]
+    groups: int
+    local: int
+    layer: int = -1  # the program layer it runs (-1: begin/commit)
+
+    @property
+    def global_size(self) -> int:
+        return self.groups * self.local
+
+
+@dataclass(frozen=True)
+class PKRendered:
+    source: str
+    begin: PKLaunch
+    layers: tuple[PKLaunch, ...]  # one step's layer kernels in order
+    commit: PKLaunch
+    scratch: dict[str, int]  # XS / SCORES: float32 elements the runtime allocates
+    ctl_size: int
+
+    @property
+    def step(self) -> tuple[PKLaunch, ...]:
+        """What one decode step enqueues: the layers, commit, and the next step's begin."""
+        return (*self.layers, self.commit, self.begin)
+
+
+def tensor_name(index: int) -> str:
+    return f"t{index}"
+
+
+def _f(value: float, d: Dialect) -> str:
+    """A float32 literal of ``value`` (rounded to float32 first, so every dialect reads the same number)."""
+    v = float(np.float32(value))
+    if math.isinf(v):
+        return f"({'-' if v < 0 else ''}{d.infinity['float32']})"
+    return repr(v) + d.float_suffix
+
+
+class _Renderer:
+    def __init__(self, program: PersistentProgram, d: Dialect, group: int, lanes: int) -> None:
+        self.p, self.d, self.group, self.lanes = program, d, group, lanes
+        self.emit = Emitter()
+        self.bodies: dict[str, str] = {}  # kernel text (name elided) -> kernel name: equal layers share one
+        self.dtypes = {tensor_name(t.index): t.dtype for t in program.tensors}
+        self.dtypes.update({CTL: "int64", STEP: "int64", XS: "float32", SCORES: "float32"})
+        self.scratch = {XS: 1, SCORES: 1}
+        self.it = d.index_type
+        self.f32 = d.types["float32"]
+        self.i64 = d.types["int64"]
+
+    # -- spellings ------------------------------------------------------------------
+    def ctype(self, dtype: str) -> str:
+        if dtype in self.d.narrow:
+            return self.d.narrow[dtype][0]
+        return self.d.types[dtype]
+
+    def f(self, value: float) -> str:
+        return _f(value, self.d)
+
+    def col(self, layer: int, column: IntCol) -> int:
+        return self.p.descriptors.int_value(layer, column)
+
+    def fcol(self, layer: int, column: FloatCol) -> float:
+        return self.p.descriptors.float_value(layer, column)
+
+    def arg(self, layer: int, role: str) -> str:
+        """The buffer of input ``role`` of ``layer``, found through its descriptor row."""
+        spec = self.p.layers[layer].spec
+        return tensor_name(self.col(layer, spec.column(role)))
+
+    # -- kernels ----------------------------------------------------------------------
+    def kernel(self, base: str, params: Sequence[tuple[str, str, bool]], body: list[str], groups: int,
+               local: int, layer: int = -1) -> PKLaunch:
+        """Declare a kernel (``params``: parameter name, buffer, written) unless an equal one exists.
+
+        Inside ``body``, parameter names spell the buffers; ``READ(p, i)`` widens narrow loads.
+        """
+        d = self.d
+        decls = [d.param(i, self.ctype(self.dtypes[buf]), name, written)
+                 for i, (name, buf, written) in enumerate(params)] + list(d.id_params)
+        dtypes = {name: self.dtypes[buf] for name, buf, _ in params}
+        lines = [self._reads(line, dtypes) for line in body]
+        text = f"{d.kernel} {d.launch_bounds(local)}@({', '.join(decls)}) {{\n" + "".join(
+            f"    {line}\n" for line in lines) + "}\n"
+        name = self.bodies.get(text)
+        if name is None:
+            name = f"{base}_{len(self.bodies)}"
+            self.bodies[text] = name
+            self.emit("")
+            for line in text.replace("@(", f"{name}(", 1).rstrip("\n").splitlines():
+                self.emit(line)
+        return PKLaunch(name, tuple(buf for _, buf, _ in params), groups, local, layer)
+
+    def _reads(self, line: str, dtypes: dict[str, str]) -> str:
+        """Replace every ``READ(p, i)`` with the dialect's load of parameter ``p`` (widened to float)."""
+        while "READ(" in line:
+            start = line.index("READ(")
+            depth, end = 0, start + 4
+            for end in range(start + 4, len(line)):
+                depth += {"(": 1, ")": -1}.get(line[end], 0)
+                if depth == 0:
+                    break
+            p, _, i = line[start + 5:end].partition(", ")
+            dtype = dtypes[p]
+            load = self.d.narrow[dtype][1].format(p=p, i=i) if dtype in self.d.narrow else f"{p}[{i}]"
+            line = line[:start] + load + line[end + 1:]
+        return line
+
+    def ids(self) -> tuple[str, str, str]:
+        return self.d.ids["global"], self.d.ids["group"], self.d.ids["local"]
+
+    def tree(self, local: int, combine: list[str]) -> list[str]:
+        """A local-memory tree reduction over ``local`` threads; ``combine`` folds slot lid + h into lid."""
+        lines = [self.d.barrier, f"for (int h = {local // 2}; h > 0; h >>= 1) {{", "    if (lid < h) {"]
+        lines += [f"        {c}" for c in combine]
+        return lines + ["    }", f"    {self.d.barrier}", "}"]
+
+    def begin(self) -> PKLaunch:
+        p, it = self.p, self.it
+        vocab = p.vocab
+        tok_cols = p.tokens.shape[1]
+        eos = "".join(f" && tok != {e}" for e in p.eos_token_ids)
+        body = [
+            f"if ({self.ids()[0]} != 0) return;",
+            f"{self.i64} alive = 0;",
+            f"for ({it} b = 0; b < {p.batch}; b++) {{",
+            f"    {self.i64} pos = step[b];",
+            f"    {self.i64} tok = tokens[b * {tok_cols} + pos];",
+            f"    {self.i64} ok = (pos + 1 < {p.max_seq_length}{eos}) ? 1 : 0;",
+            f"    ctl[{CTL_ACTIVE} + b] = ok;",
+            "    alive += ok;",
+        ]
+        if vocab is not None:
+            body += [f"    if ((tok < 0 || tok >= {vocab}) && ctl[{CTL_ERROR}] == 0) {{",
+                     f"        ctl[{CTL_ERROR}] = 1; ctl[{CTL_ERR_ROW}] = b; ctl[{CTL_ERR_VALUE}] = tok;", "    }"]
+        body += ["}", f"ctl[{CTL_ALIVE}] = alive;"]
+        params = [("ctl", CTL, True), ("tokens", tensor_name(p.tokens_id), False), ("step", STEP, False)]
+        return self.kernel("y_begin", params, body, 1, 1)
+
+    def commit(self) -> PKLaunch:
+        p = self.p
+        tok_cols = p.tokens.shape[1]
+        body = [
+            f"{self.it} b = {self.ids()[0]};",
+            f"if (b >= {p.batch}) return;",
+            f"if (ctl[{CTL_ACTIVE} + b] != 0) {{",
+            f"    tokens[b * {tok_cols} + step[b] + 1] = ({self.i64})picked[b];",
+            "    step[b] = step[b] + 1;",
+            "}",
+            f"if (b == 0 && ctl[{CTL_ALIVE}] > 0) ctl[{CTL_STEPS}] = ctl[{CTL_STEPS}] + 1;",
+        ]
+        params = [("tokens", tensor_name(p.tokens_id), True), ("step", STEP, True), ("ctl", CTL, True),
+                  ("picked", tensor_name(p.pick_id), False)]
+        return self.kernel("y_commit", params, body, p.batch, 1)
+
+    # -- layers -------------------------------------------------------------------------
+    def embed(self, i: int) -> list[PKLaunch]:
+        p, it = self.p, self.it
+        n = self.col(i, IntCol.N)
+        rows = p.layers[i].inputs["weight"].dims[0]
+        total = p.batch * n
+        body = [
+            f"{it} gid = {self.ids()[0]};", f"if (gid >= {total}) return;",
+            f"{it} b = gid / {n};", f"{it} c = gid - b * {n};",
+            f"{self.i64} tok = tokens[b * {p.tokens.shape[1]} + step[b]];",
+            f"out[gid] = (tok < 0 || tok >= {rows}) ? {self.f(0)} : READ(w, tok * {n} + c);",
+        ]
+        params = [("out", tensor_name(self.col(i, IntCol.OUTPUT)), True), ("tokens", tensor_name(p.tokens_id), False),
+                  ("step", STEP, False), ("w", self.arg(i, "weight"), False)]
+        return [self.kernel("y_embed", params, body, -(-total // GROUP), GROUP, i)]
+
+    def rmsnorm(self, i: int, x: str, k: int) -> PKLaunch:
+        """XS = rmsnorm(x) * weight_norm, one work-group per batch row."""
+        g = self.group
+        self.scratch[XS] = max(self.scratch[XS], self.p.batch * k)
+        _, grp, lid = self.ids()
+        body = [
+            f"{self.d.local} {self.f32} red[{g}];",
+            f"{self.it} b = {grp};", f"{self.it} lid = {lid};",
+            f"{self.f32} ss = {self.f(0)};",
+            f"for ({self.it} c = lid; c < {k}; c += {g}) {{ {self.f32} v = x[b * {k} + c]; ss = ss + v * v; }}",
+            "red[lid] = ss;",
+            *self.tree(g, ["red[lid] = red[lid] + red[lid + h];"]),
+            f"{self.f32} inv = {self.f(1)} / {self.d.math['sqrt']}(red[0] / {self.f(k)} + "
+            f"{self.f(self.fcol(i, FloatCol.EPS))});",
+            f"for ({self.it} c = lid; c < {k}; c += {g}) xs[b * {k} + c] = x[b * {k} + c] * inv * READ(gamma, c);",
+        ]
+        params = [("xs", XS, True), ("x", x, False), ("gamma", self.arg(i, "weight_norm"), False)]
+        return self.kernel("y_rmsnorm", params, body, self.p.batch, g, i)
+
+    def gemv(self, i: int, x: str, k: int, weight: str, bias: str | None, residual: str | None) -> PKLaunch:
+        """out[b, n] = x[b] . W[n] (+ bias[n]) (+ residual[b, n]).
+
+        With ``lanes`` (CPU devices): one work-item per output column, ``lanes`` independent partial sums
+        over contiguous weights (the compiler may vectorize them without reassociating anything). Else
+        one work-group per column, its threads splitting the reduction (coalesced loads on a GPU).
+        """
+        batch, n = self.p.batch, self.col(i, IntCol.N)
+        f32, it = self.f32, self.it
+        if self.lanes:
+            lanes = self.lanes
+            body = [
+                f"{it} n = {self.ids()[0]};", f"if (n >= {n}) return;",
+                f"{f32} acc[{batch * lanes}];",
+                f"for (int q = 0; q < {batch * lanes}; q++) acc[q] = {self.f(0)};",
+                f"{it} c = 0;",
+                f"for (; c + {lanes} <= {k}; c += {lanes}) {{",
+                f"    for (int u = 0; u < {lanes}; u++) {{",
+                f"        {f32} wv = READ(w, n * {k} + c + u);",
+                f"        for (int b = 0; b < {batch}; b++) acc[b * {lanes} + u] = acc[b * {lanes} + u] + "
+                f"x[b * {k} + c + u] * wv;",
+                "    }",
+                "}",
+                f"for (; c < {k}; c++) {{",
+                f"    {f32} wv = READ(w, n * {k} + c);",
+                f"    for (int b = 0; b < {batch}; b++) acc[b * {lanes}] = acc[b * {lanes}] + x[b * {k} + c] * wv;",
+                "}",
+                "{",
+                f"    for (int b = 0; b < {batch}; b++) {{",
+                f"        {f32} s = {self.f(0)};",
+                f"        for (int u = 0; u < {lanes}; u++) s = s + acc[b * {lanes} + u];",
+            ]
+            groups, local = -(-n // GROUP), GROUP
+        else:
+            g = self.group
+            while g > 1 and g * batch > MAX_LOCAL_FLOATS:
+                g //= 2
+            _, grp, lid = self.ids()
+            body = [
+                f"{self.d.local} {f32} red[{g * batch}];",
+                f"{it} n = {grp};", f"{it} lid = {lid};",
+                f"{f32} acc[{batch}];",
+                f"for (int b = 0; b < {batch}; b++) acc[b] = {self.f(0)};",
+                f"for ({it} c = lid; c < {k}; c += {g}) {{",
+                f"    {f32} wv = READ(w, n * {k} + c);",
+                f"    for (int b = 0; b < {batch}; b++) acc[b] = acc[b] + x[b * {k} + c] * wv;",
+                "}",
+                f"for (int b = 0; b < {batch}; b++) red[b * {g} + lid] = acc[b];",
+                *self.tree(g, [f"for (int b = 0; b < {batch}; b++) red[b * {g} + lid] = red[b * {g} + lid] + "
+                               f"red[b * {g} + lid + h];"]),
+                "if (lid == 0) {",
+                f"    for (int b = 0; b < {batch}; b++) {{",
+                f"        {f32} s = red[b * {g}];",
+            ]
+            groups, local = n, g
+        params = [("out", tensor_name(self.col(i, IntCol.OUTPUT)), True), ("x", x, False), ("w", weight, False)]
+        if bias is not None:
+            body.append("        s = s + READ(bias, n);")
+            params.append(("bias", bias, False))
+        if residual is not None:
+            body.append(f"        s = s + res[b * {n} + n];")
+            params.append(("res", residual, False))
+        body += [f"        out[b * {n} + n] = s;", "    }", "}"]
+        return self.kernel("y_gemv", params, body, groups, local, i)
+
+    def rmsnorm_linear(self, i: int) -> list[PKLaunch]:
+        k = self.col(i, IntCol.K)
+        has_bias = self.col(i, self.p.layers[i].spec.column("bias")) >= 0
+        return [self.rmsnorm(i, self.arg(i, "input"), k),
+                self.gemv(i, XS, k, self.arg(i, "weight_linear"), self.arg(i, "bias") if has_bias else None, None)]
+
+    def linear_with_residual(self, i: int) -> list[PKLaunch]:
+        return [self.gemv(i, self.arg(i, "input"), self.col(i, IntCol.K), self.arg(i, "weight"), None,
+                          self.arg(i, "residual"))]
+
+    def silu_mul_linear_with_residual(self, i: int) -> list[PKLaunch]:
+        k, batch = self.col(i, IntCol.K), self.p.batch
+        self.scratch[XS] = max(self.scratch[XS], batch * k)
+        it, f32 = self.it, self.f32
+        body = [
+            f"{it} gid = {self.ids()[0]};", f"if (gid >= {batch * k}) return;",
+            f"{it} b = gid / {k};", f"{it} c = gid - b * {k};",
+            f"{f32} a = gu[b * {2 * k} + c];",
+            f"xs[gid] = a / ({self.f(1)} + {self.d.math['exp']}(-a)) * gu[b * {2 * k} + {k} + c];",
+        ]
+        params = [("xs", XS, True), ("gu", self.arg(i, "input"), False)]
+        prep = self.kernel("y_silu_mul", params, body, -(-(batch * k) // GROUP), GROUP, i)
+        return [prep, self.gemv(i, XS, k, self.arg(i, "weight"), None, self.arg(i, "residual"))]
+
+    def _rope(self, d: int, src: str) -> list[str]:
+        """``rot`` = ``src`` rotated at position ``pos`` for element ``c`` (rotate-half pairs)."""
+        h = d // 2
+        return [f"{self.f32} x0 = qkv[{src} + c];",
+                f"{self.f32} x1 = c < {h} ? -qkv[{src} + c + {h}] : qkv[{src} + c - {h}];",
+                f"{self.f32} rot = x0 * READ(cos, pos * {d} + c) + x1 * READ(sin, pos * {d} + c);"]
+
+    def attention(self, i: int) -> list[PKLaunch]:
+        p, it, f32 = self.p, self.it, self.f32
+        kv, grp_size, d = (self.col(i, c) for c in (IntCol.KV_HEADS, IntCol.GROUP, IntCol.HEAD_DIM))
+        seq, n_out = self.col(i, IntCol.CACHE_SEQ), self.col(i, IntCol.N)
+        width = (grp_size + 2) * d
+        batch = p.batch
+        total = batch * kv * d
+        qkv, kc, vc = self.arg(i, "input"), self.arg(i, "k_cache"), self.arg(i, "v_cache")
+        cos, sin = self.arg(i, "cos"), self.arg(i, "sin")
+        store = [f"{it} at = ((b * {kv} + g) * {seq} + pos) * {d} + c;"]
+        for cache, value in (("kc", "rot"), ("vc", f"qkv[base + {(grp_size + 1) * d} + c]")):
+            dtype = self.dtypes[kc if cache == "kc" else vc]
+            if dtype in self.d.narrow:
+                store.append(self.d.narrow[dtype][2].format(p=cache, i="at", v=value) + ";")
+            else:
+                store.append(f"{cache}[at] = {value};")
+        body = [
+            f"{it} gid = {self.ids()[0]};", f"if (gid >= {total}) return;",
+            f"{it} b = gid / {kv * d};", f"{it} r = gid - b * {kv * d};",
+            f"{it} g = r / {d};", f"{it} c = r - g * {d};",
+            f"{self.i64} pos = step[b];",
+            f"{it} base = b * {kv * width} + g * {width};",
+            *self._rope(d, f"base + {grp_size * d}"),
+            *store,
+        ]
+        params = [("kc", kc, True), ("vc", vc, True), ("qkv", qkv, False), ("step", STEP, False),
+                  ("cos", cos, False), ("sin", sin, False)]
+        launches = [self.kernel("y_kv_store", params, body, -(-total // GROUP), GROUP, i)]
+        heads = batch * kv * grp_size
+        self.scratch[SCORES] = max(self.scratch[SCORES], heads * seq)
+        scale = self.f(1.0 / math.sqrt(d))
+        kread, vread = (f"READ({c}, kb + s * {d} + c)" for c in ("kc", "vc"))
+        body = [
+            f"{it} gid = {self.ids()[0]};", f"if (gid >= {heads}) return;",
+            f"{it} b = gid / {kv * grp_size};", f"{it} r = gid - b * {kv * grp_size};",
+            f"{it} g = r / {grp_size};", f"{it} j = r - g * {grp_size};",
+            f"{self.i64} pos = step[b];",
+            f"{it} base = b * {kv * width} + g * {width} + j * {d};",
+            f"{f32} q[{d}];",
+            f"for ({it} c = 0; c < {d}; c++) {{",
+            *(f"    {line}" for line in self._rope(d, "base")),
+            "    q[c] = rot;",
+            "}",
+            f"{it} kb = (b * {kv} + g) * {seq * d};",
+            f"{it} sb = gid * {seq};",
+            f"{f32} mx = {self.f(-math.inf)};",
+            f"for ({it} s = 0; s <= pos; s++) {{",
+            f"    {f32} acc = {self.f(0)};",
+            f"    for ({it} c = 0; c < {d}; c++) acc = acc + q[c] * {kread};",
+            f"    acc = acc * {scale};",
+            "    sc[sb + s] = acc;",
+            "    mx = (acc > mx || acc != acc) ? acc : mx;",
+            "}",
+            f"{f32} tot = {self.f(0)};",
+            f"for ({it} s = 0; s <= pos; s++) {{ {f32} e = {self.d.math['exp']}(sc[sb + s] - mx); sc[sb + s] = e; "
+            "tot = tot + e; }",
+            f"{it} ob = b * {n_out} + (g * {grp_size} + j) * {d};",
+            f"for ({it} c = 0; c < {d}; c++) {{",
+            f"    {f32} o = {self.f(0)};",
+            f"    for ({it} s = 0; s <= pos; s++) o = o + (sc[sb + s] / tot) * {vread};",
+            "    out[ob + c] = o;",
+            "}",
+        ]
+        params = [("out", tensor_name(self.col(i, IntCol.OUTPUT)), True), ("sc", SCORES, True),
+                  ("qkv", qkv, False), ("kc", kc, False), ("vc", vc, False), ("step", STEP, False),
+                  ("cos", cos, False), ("sin", sin, False)]
+        launches.append(self.kernel("y_attention", params, body, -(-heads // GROUP), GROUP, i))
+        return launches
+
+    def argmax(self, i: int) -> list[PKLaunch]:
+        vocab, g = self.col(i, IntCol.K), self.group
+        it, f32, i64 = self.it, self.f32, self.i64
+        _, grp, lid = self.ids()
+        take = ("(ib >= 0 && (ia < 0 || (vb != vb && (va == va || ib < ia)) || "
+                "(va == va && vb == vb && (vb > va || (vb == va && ib < ia)))))")
+        body = [
+            f"{self.d.local} {f32} rv[{g}];", f"{self.d.local} {i64} ri[{g}];",
+            f"{it} b = {grp};", f"{it} lid = {lid};",
+            f"{f32} bv = {self.f(0)};", f"{i64} bi = -1;",
+            f"for ({it} c = lid; c < {vocab}; c += {g}) {{",
+            f"    {f32} v = x[b * {vocab} + c];",
+            "    if (bi < 0 || (bv == bv && (v > bv || v != v))) { bv = v; bi = c; }",
+            "}",
+            "rv[lid] = bv;", "ri[lid] = bi;",
+            *self.tree(g, [f"{f32} va = rv[lid]; {f32} vb = rv[lid + h]; {i64} ia = ri[lid]; {i64} ib = ri[lid + h];",
+                           f"if {take} {{ rv[lid] = vb; ri[lid] = ib; }}"]),
+            f"if (lid == 0) out[b] = ({self.ctype(self.dtypes[tensor_name(self.col(i, IntCol.OUTPUT))])})ri[0];",
+        ]
+        params = [("out", tensor_name(self.col(i, IntCol.OUTPUT)), True), ("x", self.arg(i, "input"), False)]
+        return [self.kernel("y_argmax", params, body, self.p.batch, g, i)]
+
+    def sample(self, i: int) -> list[PKLaunch]:
+        """Temperature, top-k, nucleus top-p, one seeded draw (xorshift64*); see the CPU runtime's sample_row."""
+        if not self.d.bits or not self.d.unsigned:
+            raise NotSupportedError(f"the {self.d.name} dialect has no float-bits or unsigned spellings, which the "
+                                    "sampling layer needs; add them to its dialect file or decode greedily")
+        vocab, batch = self.col(i, IntCol.K), self.p.batch
+        temperature, top_p = self.fcol(i, FloatCol.TEMPERATURE), self.fcol(i, FloatCol.TOP_P)
+        top_k, seed = self.col(i, IntCol.TOP_K), self.col(i, IntCol.SEED)
+        self.scratch[SCORES] = max(self.scratch[SCORES], batch * vocab)
+        it, f32, i64 = self.it, self.f32, self.i64
+        u32, u64 = self.d.unsigned["uint32"], self.d.unsigned["uint64"]
+        inf = self.f(math.inf)
+        score = f"{f32} s = x[row + c] / {self.f(temperature)}; if (s != s) s = -{inf};"
+        key = f"{u32} u = {self.d.bits.format(x='s')}; {u32} key = (u & 0x80000000u) ? ~u : (u | 0x80000000u);"
+        loop = f"for ({it} c = 0; c < {vocab}; c++)"
+        body = [
+            f"{it} b = {self.ids()[0]};", f"if (b >= {batch}) return;",
+            f"{it} row = b * {vocab};",
+            f"{f32} mx = -{inf};",
+            f"{loop} {{ {score} mx = s > mx ? s : mx; }}",
+            f"if (mx == -{inf}) {{  // nothing to draw from: the argmax of the raw logits",
+            f"    {f32} bv = x[row]; {i64} bi = 0;",
+            f"    for ({it} c = 1; c < {vocab}; c++) {{ {f32} v = x[row + c]; "
+            "if (bv == bv && (v > bv || v != v)) { bv = v; bi = c; } }",
+            f"    out[b] = ({self.ctype(self.dtypes[tensor_name(self.col(i, IntCol.OUTPUT))])})bi; return;",
+            "}",
+            f"{u32} kth = 0;",
+        ]
+        if 0 < top_k < vocab:
+            body += [
+                "for (int bit = 31; bit >= 0; bit--) {  // the largest key with top_k scores at or above it",
+                f"    {u32} cand = kth | (1u << bit); {i64} count = 0;",
+                f"    {loop} {{ {score} {key} count += key >= cand ? 1 : 0; }}",
+                f"    if (count >= {top_k}) kth = cand;",
+                "}",
+            ]
+        body += [
+            f"{f32} total = {self.f(0)};",
+            f"{loop} {{",
+            f"    {score} {key}",
+            f"    {f32} pr = key < kth ? {self.f(0)} : (mx == {inf} ? (s == {inf} ? {self.f(1)} : {self.f(0)}) : "
+            f"{self.d.math['exp']}(s - mx));",
+            "    sc[row + c] = pr; total = total + pr;",
+            "}",
+            f"{u32} cut = 0;",
+        ]
+        if top_p < 1.0:
+            # keep a score iff the mass ranked strictly above it is below top_p * total: cut = 1 + the largest
+            # key K whose mass above K still reaches top_p * total (keys above every score reach nothing)
+            mass_above = [f"{f32} m = {self.f(0)};", f"{loop} {{ {score} {key} if (key > cand) m = m + sc[row + c]; }}"]
+            body += [
+                f"{f32} want = {self.f(top_p)} * total;",
+                "{",
+                f"    {u32} cand = 0;",
+                *(f"    {line}" for line in mass_above),
+                "    if (m >= want) {",
+                f"        {u32} lo = 0;",
+                "        for (int bit = 31; bit >= 0; bit--) {",
+                "            cand = lo | (1u << bit);",
+                *(f"            {line}" for line in mass_above),
+                "            if (m >= want) lo = cand;",
+                "        }",
+                "        cut = lo + 1u;",
+                "    }",
+                "}",
+            ]
+        out_type = self.ctype(self.dtypes[tensor_name(self.col(i, IntCol.OUTPUT))])
+        body += [
+            f"{f32} mass = {self.f(0)};",
+            f"{loop} {{ {score} {key} if (key >= cut) mass = mass + sc[row + c]; }}",
+            f"{u64} st = ({u64}){seed} * ({u64})1000003 + ({u64})step[b] * ({u64})7919 + ({u64})b * ({u64})104729 "
+            f"+ ({u64})1;",
+            "st ^= st >> 12; st ^= st << 25; st ^= st >> 27;",
+            f"{f32} draw = ({f32})((st * ({u64})2685821657736338717) >> 40) * {self.f(1 / 16777216)} * mass;",
+            f"{i64} pick = -1; {i64} last = 0;",
+            f"{loop} {{",
+            f"    {score} {key}",
+            f"    {f32} pr = sc[row + c];",
+            f"    if (key >= cut && pr > {self.f(0)}) {{ last = c; draw = draw - pr; "
+            f"if (draw <= {self.f(0)}) {{ pick = c; break; }} }}",
+            "}",
+            f"out[b] = ({out_type})(pick >= 0 ? pick : last);",
+        ]
+        params = [("out", tensor_name(self.col(i, IntCol.OUTPUT)), True), ("sc", SCORES, True),
+                  ("x", self.arg(i, "input"), False), ("step", STEP, False)]
+        return [self.kernel("y_sample", params, body, batch, 1, i)]
+
+    def render(self) -> PKRendered:
+        d = self.d
+        self.emit(f"// Generated by yirage's PersistentKernel renderer {RENDERER_VERSION} ({d.name}): "
+                  f"{len(self.p.layers)} layers, batch {self.p.batch}.")
+        for line in d.preamble.splitlines():
+            self.emit(line)
+        narrow = sorted({t.dtype for t in self.p.tensors} & set(d.narrow))
+        missing = sorted({t.dtype for t in self.p.tensors if t.dtype.startswith("float")} - set(d.narrow)
+                         - {k for k in d.types if k.startswith("float")})
+        if missing:
+            raise NotSupportedError(f"the {d.name} dialect cannot load {', '.join(missing)} tensors; convert the "
+                                    "model's weights to float32, bfloat16 or float16")
+        for dtype in narrow:
+            for line in d.narrow_helpers.get(dtype, "").splitlines():
+                self.emit(line)
+        if self.p.tokens.shape[1] < 1:
+            raise NotSupportedError("the tokens tensor has no columns")
+        begin, layers = self.begin(), []
+        for layer in self.p.layers:
+            body = getattr(self, layer.kind, None)
+            if body is None:
+                raise NotSupportedError(f"the C-family PersistentKernel renderer has no task body for layer kind "
+                                        f"{layer.kind!r}; add a method named {layer.kind} to "
+                                        "yirage.persistent.cstyle._Renderer")
+            layers += body(layer.index)
+        commit = self.commit()
+        return PKRendered(self.emit.source(), begin, tuple(layers), commit, dict(self.scratch),
+                          CTL_ACTIVE + self.p.batch)
+
+
+def render_persistent(program: PersistentProgram, dialect: Dialect, group: int = GROUP,
+                      lanes: int = 0) -> PKRendered:
+    """The program's kernels in ``dialect`` and one step's launch order (see the module docstring).
+
+    ``group`` is the work-group size of the reducing kernels (a power of two; a device's limit may need
+    less). ``lanes`` > 0 picks the GEMV layout for CPU devices (see ``_Renderer.gemv``).
+    """
+    if group < 1 or group & (group - 1):
+        raise ValueError(f"group must be a power of two >= 1, got {group}")
+    if lanes < 0:
+        raise ValueError(f"lanes must be >= 0, got {lanes}")
+    return _Renderer(program, dialect, group, lanes).render()
