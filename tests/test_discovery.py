@@ -7,8 +7,11 @@ import pytest
 from tests.conftest import fake_backends_source
 from yirage.backend.registry import Registry
 
+#: the core's own backends: registered by the core itself, even with autoload off or an allow-list
+CORE = ["torch", "reference"]  # by priority
 BUILTIN = {
     "reference": "yirage",
+    "torch": "yirage",
     "cpu": "yirage-backend-cpu",
     "opencl": "yirage-backend-opencl",
     "cuda": "yirage-backend-cuda",
@@ -32,15 +35,15 @@ def test_names_are_ordered_by_priority() -> None:
     assert reg.names()[-1] == "reference"
 
 
-def test_disable_autoload_leaves_only_the_core_reference() -> None:
+def test_disable_autoload_leaves_only_the_core_backends() -> None:
     reg = Registry(environ={"YIRAGE_DISABLE_PLUGIN_AUTOLOAD": "1"})
-    assert reg.names() == ["reference"]
+    assert reg.names() == CORE
 
 
 @pytest.mark.parametrize("value", ["1", "0", "yes", "false"])
 def test_any_non_empty_autoload_switch_disables_autoload_as_in_pytest(value: str) -> None:
     reg = Registry(environ={"YIRAGE_DISABLE_PLUGIN_AUTOLOAD": value})
-    assert reg.names() == ["reference"]
+    assert reg.names() == CORE
     excluded = {r.name for r in reg.plugins.records if r.status == "excluded"}
     assert {"cpu", "opencl", "cuda"} <= excluded
 
@@ -52,13 +55,13 @@ def test_an_empty_autoload_switch_keeps_autoload() -> None:
 @pytest.mark.parametrize("spelling", ["yirage_backend_domestic", "Yirage-Backend-Domestic", "yirage.backend.domestic"])
 def test_allow_list_matches_distribution_names_as_pip_does(spelling: str) -> None:
     reg = Registry(environ={"YIRAGE_PLUGINS": spelling})
-    assert set(reg.names()) == {"reference", "ascend", "cambricon", "moore", "metax", "iluvatar", "hygon"}
+    assert set(reg.names()) == {*CORE, "ascend", "cambricon", "moore", "metax", "iluvatar", "hygon"}
     assert not [r for r in reg.plugins.records if r.status in {"failed", "refused"}]
 
 
 def test_allow_list_is_case_blind_and_tolerates_duplicates() -> None:
     reg = Registry(environ={"YIRAGE_PLUGINS": "CPU,yirage_backend_cpu, cpu"})
-    assert set(reg.names()) == {"reference", "cpu"}
+    assert set(reg.names()) == {*CORE, "cpu"}
     assert not [r for r in reg.plugins.records if r.status in {"failed", "refused"}]
 
 
@@ -69,30 +72,38 @@ def test_an_allow_list_name_that_matches_nothing_lists_the_installed_plugins() -
     assert "matches no installed plugin" in record.error and "yirage-backend-cpu" in record.error
 
 
+@pytest.mark.parametrize("name", CORE)
+def test_allow_list_naming_a_core_backend_imports_no_module_of_that_name(name: str) -> None:
+    """``YIRAGE_PLUGINS=torch`` names the core backend, not the ``torch`` package to load as a plugin."""
+    reg = Registry(environ={"YIRAGE_PLUGINS": name})
+    assert reg.names() == CORE
+    assert not [r for r in reg.plugins.records if r.status in {"failed", "refused"}]
+
+
 def test_allow_list_by_entry_point_name() -> None:
     reg = Registry(environ={"YIRAGE_PLUGINS": "cpu, opencl"})
-    assert set(reg.names()) == {"reference", "cpu", "opencl"}
+    assert set(reg.names()) == {*CORE, "cpu", "opencl"}
 
 
 def test_allow_list_by_distribution_name_loads_all_its_entry_points() -> None:
     reg = Registry(environ={"YIRAGE_PLUGINS": "yirage-backend-domestic"})
-    assert set(reg.names()) == {"reference", "ascend", "cambricon", "moore", "metax", "iluvatar", "hygon"}
+    assert set(reg.names()) == {*CORE, "ascend", "cambricon", "moore", "metax", "iluvatar", "hygon"}
 
 
 def test_empty_allow_list_loads_no_plugin() -> None:
-    assert Registry(environ={"YIRAGE_PLUGINS": ""}).names() == ["reference"]
+    assert Registry(environ={"YIRAGE_PLUGINS": ""}).names() == CORE
 
 
 def test_allow_list_overrides_disabled_autoload() -> None:
     reg = Registry(environ={"YIRAGE_DISABLE_PLUGIN_AUTOLOAD": "1", "YIRAGE_PLUGINS": "cpu"})
-    assert set(reg.names()) == {"reference", "cpu"}
+    assert set(reg.names()) == {*CORE, "cpu"}
 
 
 def test_allow_list_imports_a_module_path_without_an_entry_point(tmp_path, monkeypatch) -> None:
     (tmp_path / "loose_plugin.py").write_text(fake_backends_source('_make("loose", 5)'))
     monkeypatch.syspath_prepend(str(tmp_path))
     reg = Registry(environ={"YIRAGE_DISABLE_PLUGIN_AUTOLOAD": "1", "YIRAGE_PLUGINS": "loose_plugin"})
-    assert set(reg.names()) == {"reference", "loose"}
+    assert set(reg.names()) == {*CORE, "loose"}
     assert reg.origin("loose").distribution == "(YIRAGE_PLUGINS)"
 
 

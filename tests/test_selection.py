@@ -14,7 +14,7 @@ from yirage.backend.registry import Registry
 
 @pytest.fixture
 def fake_world(tmp_path, monkeypatch, isolated_selection):
-    """A registry of fake backends only (plus the core reference)."""
+    """A registry of fake backends only (plus the core's torch and reference)."""
 
     def make(*specs: str) -> Registry:
         (tmp_path / "world_plugin.py").write_text(fake_backends_source(*specs))
@@ -42,7 +42,7 @@ def test_auto_takes_the_highest_priority_available_backend(fake_world, caplog) -
     report = {d.name: d for d in yr.last_auto_report()}
     assert report["mid"].chosen and not report["low"].chosen
     assert report["big"].reason == "no driver for big"
-    assert set(report) == {"big", "mid", "low", "reference"}
+    assert set(report) == {"big", "mid", "low", "torch", "reference"}
 
 
 def test_auto_passes_over_backends_that_decline_auto(fake_world) -> None:
@@ -105,13 +105,13 @@ def test_is_backend_available_never_raises(fake_world) -> None:
 def test_available_backends_are_enum_like_and_best_first(fake_world) -> None:
     fake_world('_make("big", 100, ok=False)', '_make("mid", 60)', '_make("low", 30)')
     found = yr.get_available_backends()
-    assert [b.value for b in found] == ["mid", "low", "reference"]
+    assert [b.value for b in found] == ["mid", "low", "torch", "reference"]
     assert found[0] is yr.BackendType("mid") is yr.BackendType.MID
     assert found[0].name == "MID" and found[0] == "mid" and found[0] != "low"
     assert {found[0]: 1}["mid"] == 1
     with pytest.raises(AttributeError, match="unknown backend 'nope'"):
         _ = yr.BackendType.NOPE
-    assert [b.value for b in yr.BackendType] == ["big", "mid", "low", "reference"]
+    assert [b.value for b in yr.BackendType] == ["big", "mid", "low", "torch", "reference"]
 
 
 def test_the_probe_is_memoized_until_reset(fake_world, tmp_path) -> None:
@@ -213,7 +213,7 @@ def test_unknown_names_list_the_available_alternatives_first(fake_world) -> None
     fake_world('_make("big", 100, ok=False)', '_make("low", 30)')
     with pytest.raises(yr.UnknownBackendError) as err:
         yr.set_backend("nope")
-    assert "available here: low, reference" in str(err.value)
+    assert "available here: low, torch, reference" in str(err.value)
 
 
 def test_a_backend_excluded_by_the_allow_list_says_so(isolated_selection) -> None:

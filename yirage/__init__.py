@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from yirage.backend import torch_backend as _torch_backend  # noqa: F401 - registers the torch-device lowering
 from yirage.backend.base import PLUGIN_API_VERSION, Availability, Backend, DeviceInfo, MemoryInfo
 from yirage.backend.hookspecs import hookimpl
 from yirage.backend.selection import (

@@ -399,8 +399,9 @@ class Discovery:
             else:
                 self.plugins.load_entry_point(ep)
         known = sorted({ep.name for ep in eps} | {_distribution_name(ep) for ep in eps})
+        core = {normalize(core_name) for _, core_name in _core_plugins}  # registered already, not module paths
         for name in self.allow or ():
-            if normalize(name) not in matched and normalize(name) != "reference":
+            if normalize(name) not in matched and normalize(name) not in core:
                 self.plugins.load_module_path(name, known)
         self.complete = True
 
