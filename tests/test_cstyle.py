@@ -137,8 +137,13 @@ def test_renders_every_plan_with_sound_structure(dialect_name: str, name: str) -
         else:
             assert barriers == 0, f"{k.name} synchronizes without sharing local memory"
         if isinstance(k, Matmul):
-            out = plan.buffers[k.out]
-            assert main.global_size >= _prod(out.dims), "one work-item per output element"
+            # blocked shapes: each work-item owns acc[MB][NB][lanes] (dot) or acc[MB][VW] (rows) outputs;
+            # the naive one a single output. The work-items cover the output, padded by at most one group.
+            block = re.search(r"\bacc\[(\d+)\]\[(\d+)\](\[\d+\])?;", body)
+            per_item = int(block.group(1)) * int(block.group(2)) if block else 1
+            outputs = _prod(plan.buffers[k.out].dims)
+            assert main.global_size * per_item >= outputs, "every output element is owned by a work-item"
+            assert (main.global_size - main.local) * per_item < outputs, "at most one group of idle work-items"
 
 
 def plan_rows(k: Row) -> int:

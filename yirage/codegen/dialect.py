@@ -48,7 +48,7 @@ class Dialect:
     inline: str  # qualifiers of a helper function
     index_type: str
     types: Mapping[str, str]
-    math: Mapping[str, str]  # generic name (exp, sqrt, erf, pow) -> this language's overloaded name
+    math: Mapping[str, str]  # generic name (exp, sqrt, erf, pow; int_as_float: int bits -> float) -> spelling
     id_params: tuple[str, ...] = ()
     float_suffix: str = "f"
     infinity: Mapping[str, str] = field(default_factory=dict)  # compute type -> +inf

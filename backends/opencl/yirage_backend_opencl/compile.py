@@ -3,13 +3,16 @@
 ``render`` prefixes the source with one comment line of JSON that says how to
 launch it (buffers, kernels in order, scratch, status checks), so the cache
 entry alone is enough to load: ``load`` builds the program once and keeps one
-``cl.Kernel`` per launch (re-creating one costs ~250 us). A call wraps every
-torch CPU tensor in a ``cl.Buffer``: on a device that shares host memory
+``cl.Kernel`` per launch (re-creating one costs ~250 us). A call wraps its
+input and output torch CPU tensors in ``cl.Buffer`` objects (~0.3 us each): on a device that shares host memory
 (PoCL) with ``USE_HOST_PTR``, so no per-call copy is made, otherwise with a
 copy in and a read back; float16 and bfloat16 tensors are passed as they are
-(the kernels convert). The torch tensors stay referenced until the call's
-one ``finish()``; outputs are synchronized by mapping them (a no-op copy when
-the device uses the host pointer).
+(the kernels convert). Temporaries and scratch buffers are the program's,
+allocated once; the torch tensors of a call stay referenced until its one
+wait; outputs are synchronized by mapping them (a no-op copy when the device
+uses the host pointer). A call not known to be short (<= ``SLICED_AFTER``) is
+waited for in short Python sleeps, so Ctrl-C interrupts it (``finish()``
+blocks in C); its tensors stay referenced until the queue drains.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import math
 import os
 import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,8 @@ from yirage.errors import BackendError, YirageError
 SOURCE_NAME = "kernels.cl"
 META_PREFIX = "// yirage-launch: "
 BUILD_OPTIONS = ["-cl-std=CL1.2"]  # no -cl-fast-relaxed-math, no -cl-mad-enable: IEEE results
+SLICED_AFTER = 0.05  # seconds: calls that took longer last time are waited for interruptibly
+WAIT_SLICE = 0.002  # seconds between status checks of such a call (at most ~4% of its time)
 
 
 class DeviceSelectionError(YirageError, ValueError):
@@ -112,9 +118,17 @@ def load(artifact: Artifact) -> OpenCLProgram:
 
 
 class OpenCLProgram:
-    """``run(inputs) -> outputs`` over a built program; one launch sequence and one finish per call."""
+    """``run(inputs) -> outputs`` over a built program; one launch sequence and one wait per call.
+
+    Temporaries and scratch buffers live as long as the program (scratch is zero-filled on the queue before
+    each call); outputs are new tensors each call. A call that has run for more than ``SLICED_AFTER`` seconds before is
+    waited for in ``WAIT_SLICE`` slices from Python, so Ctrl-C interrupts it: the interrupted call's tensors
+    stay referenced until the queue drains (the next call waits for that first).
+    """
 
     def __init__(self, source: str, where: str) -> None:
+        import torch
+
         cl = importlib.import_module("pyopencl")
         self.cl = cl
         header, _, _ = source.partition("\n")
@@ -134,15 +148,29 @@ class OpenCLProgram:
                 "C-family renderer or the device's compiler; report it with the graph (g.to_json())") from exc
         self.kernels = [getattr(program, x.kernel) for x in self.launches]
         self.zero_copy = bool(device().host_unified_memory)
-        self.lock = threading.Lock()  # cl.Kernel arguments are per-object state
+        self.lock = threading.Lock()  # cl.Kernel arguments, temporaries and scratch are per-program state
+        self.new_outputs = [(n, dims, getattr(torch, d)) for n, dims, d, role in self.buffers if role == "output"]
+        # temporaries are kept at compute type; they and the scratch buffers are allocated once
+        owned = {n: torch.empty(max(1, math.prod(dims)), dtype=getattr(torch, compute_type_name(d)))
+                 for n, dims, d, role in self.buffers if role != "output"}
+        owned.update({s.name: torch.zeros(s.count, dtype=getattr(torch, s.dtype)) for s in self.scratch})
+        self.owned = owned
+        self.owned_bufs = {name: self._buffer(t) for name, t in owned.items()}
+        self.scratch_zeros = [(s.name, owned[s.name][:1].numpy() * 0) for s in self.scratch]
+        self.synced = list(dict.fromkeys(self.outputs + [x.check.status for x in self.launches if x.check]))
+        self.last_seconds = math.inf  # how long the previous call took: picks the waiting strategy
+        self.pending: tuple[Any, ...] = ()  # an interrupted call's tensors and buffers, until the queue drains
 
-    def _buffer(self, t: Any) -> Any:
+    def _buffer(self, t: Any) -> tuple[Any, Any]:
         """A cl.Buffer over the storage span of CPU tensor ``t`` (checked by the core before the call)."""
         import torch
 
         cl = self.cl
-        extent = 1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True) if d > 1)
-        flat = torch.as_strided(t, (extent,), (1,))
+        if t.is_contiguous():
+            flat = t  # numpy shares an N-d contiguous array as well as a flat one
+        else:
+            extent = 1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True) if d > 1)
+            flat = torch.as_strided(t, (extent,), (1,))
         flat = (flat.view(torch.int16) if flat.dtype in (torch.float16, torch.bfloat16) else flat).numpy()
         mf = cl.mem_flags
         flags = mf.READ_WRITE | (mf.USE_HOST_PTR if self.zero_copy else mf.COPY_HOST_PTR)
@@ -151,41 +179,62 @@ class OpenCLProgram:
     def __call__(self, inputs: Any) -> list[Any]:
         import torch
 
-        cl = self.cl
         tensors: dict[str, Any] = {}
-        for name, index, _ in self.inputs:
-            tensors[name] = inputs[index]  # float16/bfloat16 too: kernels widen them as they load
-        for name, dims, dtype, role in self.buffers:
-            if role == "output":
-                tensors[name] = torch.empty(dims, dtype=getattr(torch, dtype))
-            else:  # temporaries are kept at compute type
-                tensors[name] = torch.empty(max(1, math.prod(dims)), dtype=getattr(torch, compute_type_name(dtype)))
-        for s in self.scratch:
-            tensors[s.name] = torch.zeros(s.count, dtype=getattr(torch, s.dtype))
         with self.lock:
-            bufs = {name: self._buffer(t) for name, t in tensors.items()}
-            for kernel, launch in zip(self.kernels, self.launches, strict=True):
-                kernel.set_args(*[bufs[a][0] for a in launch.args])
-                cl.enqueue_nd_range_kernel(self.queue, kernel, (launch.global_size,), (launch.local,))
-            synced = list(dict.fromkeys(self.outputs + [x.check.status for x in self.launches if x.check]))
-            maps = []
-            for name in synced:
-                buf, flat = bufs[name]
-                if self.zero_copy:
-                    mapped = cl.enqueue_map_buffer(self.queue, buf, cl.map_flags.READ, 0, flat.shape,
-                                                   flat.dtype, is_blocking=False)[0]
-                    maps.append((mapped, flat))
-                else:
-                    cl.enqueue_copy(self.queue, flat, buf, is_blocking=False)
-            self.queue.finish()
-            for mapped, flat in maps:
-                if mapped.ctypes.data != flat.ctypes.data:  # the driver kept its own copy after all
-                    flat[...] = mapped
-                mapped.base.release(self.queue)
-        for launch in self.launches:
-            if launch.check is not None:
-                self._raise_if_bad(launch.check, tensors, inputs)
+            if self.pending:  # an interrupted call may still run on the device: it uses our scratch
+                self.queue.finish()
+                self.pending = ()
+            bufs = dict(self.owned_bufs)
+            for name, index, _ in self.inputs:
+                tensors[name] = t = inputs[index]  # float16/bfloat16 too: kernels widen them as they load
+                bufs[name] = self._buffer(t)
+            for name, dims, dtype in self.new_outputs:
+                tensors[name] = t = torch.empty(dims, dtype=dtype)
+                bufs[name] = self._buffer(t)
+            try:
+                self._launch(bufs)
+            except BaseException:
+                self.pending = (tensors, bufs)  # KeyboardInterrupt included: the device may still use them
+                raise
+            tensors.update(self.owned)
+            for launch in self.launches:  # under the lock: the status scratch is the next call's too
+                if launch.check is not None:
+                    self._raise_if_bad(launch.check, tensors, inputs)
         return [tensors[name] for name in self.outputs]
+
+    def _launch(self, bufs: dict[str, tuple[Any, Any]]) -> None:
+        cl, queue = self.cl, self.queue
+        start = time.perf_counter()
+        for name, zero in self.scratch_zeros:  # on the queue: the device may keep its own copy of a buffer
+            cl.enqueue_fill_buffer(queue, bufs[name][0], zero, 0, bufs[name][1].nbytes)
+        for kernel, launch in zip(self.kernels, self.launches, strict=True):
+            kernel.set_args(*[bufs[a][0] for a in launch.args])
+            cl.enqueue_nd_range_kernel(queue, kernel, (launch.global_size,), (launch.local,))
+        maps = []
+        for name in self.synced:
+            buf, flat = bufs[name]
+            if self.zero_copy:
+                mapped = cl.enqueue_map_buffer(queue, buf, cl.map_flags.READ, 0, flat.shape, flat.dtype,
+                                               is_blocking=False)[0]
+                maps.append((mapped, flat))
+            else:
+                cl.enqueue_copy(queue, flat, buf, is_blocking=False)
+        if self.last_seconds > SLICED_AFTER:
+            self._wait_interruptibly()
+        queue.finish()
+        self.last_seconds = time.perf_counter() - start
+        for mapped, flat in maps:
+            if mapped.ctypes.data != flat.ctypes.data:  # the driver kept its own copy after all
+                flat[...] = mapped
+            mapped.base.release(queue)
+
+    def _wait_interruptibly(self) -> None:
+        """Wait for the queue in short Python-level sleeps (``finish()`` blocks in C, deaf to Ctrl-C)."""
+        cl, queue = self.cl, self.queue
+        marker = cl.enqueue_marker(queue)
+        queue.flush()
+        while marker.command_execution_status > 0:  # 0 = complete, < 0 = failed (finish() then raises)
+            time.sleep(WAIT_SLICE)
 
     def _raise_if_bad(self, check: Check, tensors: dict[str, Any], inputs: Any) -> None:
         status = int(tensors[check.status][0])

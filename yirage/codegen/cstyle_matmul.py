@@ -1,0 +1,229 @@
+"""Matmul kernels of the C-family renderer (``yirage.codegen.cstyle``): register-blocked, dialect-generic.
+
+A matmul is at most two launches: a prologue that materializes A's rows
+(the ``a`` expression, scaled by a fused RMSNorm's rsqrt) when A is not a
+plain contiguous buffer, then the product. The product kernel takes one of
+three shapes, chosen from B's strides over ``batch + (K, N)``:
+
+- **dot** (B contiguous along K, e.g. an ``nn.Linear`` weight viewed as (K, N)):
+  each work-item owns an ``MB x NB`` block of outputs and walks K in steps of
+  ``VW`` with ``VW`` independent partial sums per output, summed pairwise at
+  the end. The ``VW`` lanes are plain arrays indexed by constant-bound loops:
+  every C-family compiler unrolls them and a CPU compiler (PoCL's LLVM)
+  vectorizes them, with no vector types and no reassociation (the order of
+  every addition is fixed by the source).
+- **rows** (B contiguous along N): each work-item owns ``MB`` rows by ``VW``
+  consecutive columns; per k it loads ``VW`` elements of B's row k and
+  broadcasts one element of each of its ``MB`` rows of A (sequential sum over
+  k, the naive order).
+- **naive**: anything else, one work-item per output element.
+
+Blocks divide M and N exactly (the block sizes are chosen among divisors), so
+no work-item branches on a partial block; the K tail of the dot shape is a
+scalar loop. The work-item index puts the M block fastest, so neighbouring
+work-items share B's columns in cache.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from yirage.codegen import indexing
+from yirage.codegen.exprs import compute_type
+from yirage.compiler.indexing import broadcast_strides
+from yirage.compiler.kernel_ir import Load, Matmul, loads
+from yirage.graph.kernel_graph import contiguous_strides
+
+if TYPE_CHECKING:
+    from yirage.codegen.cstyle import _Renderer
+
+GROUP = 64  # work-group size of the naive and prologue kernels
+BLOCK_GROUP = 64  # work-group size of the blocked kernels
+# Block sizes, measured on PoCL (Zen 4, interleaved runs): 8 lanes (one 256-bit register) beat 16; 8 x 2
+# output blocks beat 4 x 4 at M = 8 and 64 (1.3-1.5x); a GEMV (M = 1) wants 8 columns per work-item.
+DOT_LANES = 8  # partial sums per output in the dot shape (4 for 8-byte types)
+DOT_ROWS = (8, 4, 2)  # MB: the first that divides M
+DOT_COLS, GEMV_COLS = (2,), (8, 4, 2)  # NB: the first that divides N (GEMV_COLS when MB = 1)
+ROW_ROWS = (8, 4, 2)
+ROW_WIDTHS, GEMV_WIDTHS = (16, 8, 4, 2), (64, 32, 16, 8, 4, 2)  # columns per work-item in the rows shape
+
+
+def _divisor(n: int, choices: tuple[int, ...]) -> int:
+    return next(c for c in (*choices, 1) if n % c == 0)
+
+
+def matmul(r: _Renderer, k: Matmul) -> None:
+    """Emit ``k``: its prologue if A needs one, then the product in the shape B's layout allows."""
+    ct = compute_type(r.buffers[k.out])
+    nb = max(1, math.prod(k.batch))
+    scale = k.row_scale is not None
+    a_names = list(dict.fromkeys(loads(k.a) + (loads(k.row_scale) if k.row_scale is not None else [])))
+    a_src = _plain_a(r, k)
+    if a_src is None or scale:
+        a_src = _prologue(r, k, ct, nb, a_names)
+        a_names = [a_src]
+    epi = list(dict.fromkeys(loads(k.epilogue)))
+    args = list(dict.fromkeys([k.out] + a_names + [k.b] + epi))
+    strides = broadcast_strides(r.buffers[k.b], k.batch + (k.k, k.n))
+    sk, sn = strides[-2], strides[-1]
+    wide = r.ctype(ct) in ("double", "long", "long long")
+    if sk == 1:
+        mb = _divisor(k.m, DOT_ROWS)
+        _dot(r, k, ct, nb, a_src, args, strides, mb=mb, nbk=_divisor(k.n, GEMV_COLS if mb == 1 else DOT_COLS),
+             vw=DOT_LANES // 2 if wide else DOT_LANES)
+    elif sn == 1 and (vw := _divisor(k.n, GEMV_WIDTHS if k.m == 1 else ROW_WIDTHS)) > 1:
+        _rows(r, k, ct, nb, a_src, args, strides, mb=_divisor(k.m, ROW_ROWS), vw=vw)
+    else:
+        _naive(r, k, ct, nb, a_src, args)
+
+
+def _plain_a(r: _Renderer, k: Matmul) -> str | None:
+    if isinstance(k.a, Load) and not k.a.rotate_half:
+        b = r.buffers[k.a.buffer]
+        if b.dims == k.a_space and b.strides == contiguous_strides(b.dims):
+            return b.name
+    return None
+
+
+def _prologue(r: _Renderer, k: Matmul, ct: str, nb: int, a_names: list[str]) -> str:
+    """One work-item per row of A writes it to scratch, scaled by a fused RMSNorm's rsqrt."""
+    emit, t, it = r.emit, r.ctype(ct), r.d.index_type
+    scale = k.row_scale is not None
+    a_src = r.add_scratch(f"s_{k.name}_a", nb * k.m * k.k, ct)
+    r.kernel(f"{k.name}_pro", [a_src] + a_names, -(-(nb * k.m) // GROUP), GROUP)
+    r.gid(nb * k.m)
+    ridx = [f"q{i}" for i in range(len(k.batch))] + ["mm"]
+    indexing.decompose(emit, "gid", k.batch + (k.m,), ridx, r.ix)
+    load = r.loader(k.a_space, ridx + ["kk"], ct)
+    if scale:
+        emit(f"{t} ss = {r.const(0, ct)};")
+    with emit.block(f"for ({it} kk = 0; kk < {k.k}; kk++) {{"):
+        emit(f"{a_src}[gid * {k.k} + kk] = {r.expr(k.a, load, ct)};")
+        if k.row_scale is not None:
+            emit(f"{t} x = {r.expr(k.row_scale, load, ct)};")
+            emit("ss = ss + x * x;")
+    emit("}")
+    if scale:
+        sqrt = r.d.math["sqrt"]
+        emit(f"{t} sc = {r.const(1, ct)} / {sqrt}(ss / {r.const(k.k, ct)} + {r.const(k.eps, ct)});")
+        with emit.block(f"for ({it} kk = 0; kk < {k.k}; kk++) {{"):
+            emit(f"{a_src}[gid * {k.k} + kk] = {a_src}[gid * {k.k} + kk] * sc;")
+        emit("}")
+    r.close()
+    return a_src
+
+
+def _epilogue(r: _Renderer, k: Matmul, ct: str, bidx: list[str], value: str) -> None:
+    """Write output (``qb``, ``mm``, ``nn``) = epilogue(``value``); A's rows carry the RMSNorm scale already."""
+    t = r.ctype(ct)
+    r.emit(f"{t} v_acc = {value};")
+    if k.row_scale is not None:
+        r.emit(f"{t} v_scale = {r.const(1, ct)};  // A's rows are scaled already")
+    load = r.loader(k.space, bidx + ["mm", "nn"], ct)
+    r.emit(r.write(k.out, f"(qb * {k.m} + mm) * {k.n} + nn", r.expr(k.epilogue, load, ct)))
+
+
+def _block_frame(r: _Renderer, k: Matmul, nb: int, args: list[str], mb: int, nw: int,
+                 strides: tuple[int, ...]) -> list[str]:
+    """Open a blocked kernel: work-item -> (qb, m0, n0) with the M block fastest; A's and B's base offsets."""
+    emit, it = r.emit, r.d.index_type
+    mblocks, nblocks = k.m // mb, k.n // nw
+    items = nb * mblocks * nblocks
+    r.kernel(k.name, args, -(-items // BLOCK_GROUP), BLOCK_GROUP)
+    emit(f"{it} gid = {r.d.ids['global']};")
+    if items % BLOCK_GROUP:
+        emit(f"if (gid >= {items}) return;")
+    emit(f"{it} m0 = (gid % {mblocks}) * {mb};")
+    emit(f"{it} rest = gid / {mblocks};")
+    emit(f"{it} n0 = (rest % {nblocks}) * {nw};")
+    emit(f"{it} qb = rest / {nblocks};")
+    bidx = [f"q{i}" for i in range(len(k.batch))]
+    indexing.decompose(emit, "qb", k.batch, bidx, r.ix, scratch="_q")
+    emit(f"{it} abase = (qb * {k.m} + m0) * {k.k};")
+    emit(f"{it} bbase = {indexing.at(indexing.offset(bidx, strides[:-2], r.ix), 'n0', strides[-1], r.ix)};")
+    return bidx
+
+
+def _dot(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str, args: list[str], strides: tuple[int, ...],
+         mb: int, nbk: int, vw: int) -> None:
+    emit, t, it = r.emit, r.ctype(ct), r.d.index_type
+    sn = strides[-1]
+    bidx = _block_frame(r, k, nb, args, mb, nbk, strides)
+    zero = r.const(0, ct)
+    kv = k.k - k.k % vw
+    emit(f"{t} acc[{mb}][{nbk}][{vw}];")
+    emit(f"for (int i = 0; i < {mb}; i++) for (int j = 0; j < {nbk}; j++) for (int v = 0; v < {vw}; v++) "
+         f"acc[i][j][v] = {zero};")
+    b_row = f"bbase + j * {sn}" if sn else "bbase"
+    if kv:
+        with emit.block(f"for ({it} k0 = 0; k0 < {kv}; k0 += {vw}) {{"):
+            emit(f"{t} av[{mb}][{vw}];")
+            emit(f"{t} bv[{nbk}][{vw}];")
+            emit(f"for (int i = 0; i < {mb}; i++) for (int v = 0; v < {vw}; v++) "
+                 f"av[i][v] = {r.read(a_src, f'abase + i * {k.k} + k0 + v')};")
+            emit(f"for (int j = 0; j < {nbk}; j++) for (int v = 0; v < {vw}; v++) "
+                 f"bv[j][v] = {r.read(k.b, f'{b_row} + k0 + v')};")
+            emit(f"for (int i = 0; i < {mb}; i++) for (int j = 0; j < {nbk}; j++) for (int v = 0; v < {vw}; v++) "
+                 "acc[i][j][v] = acc[i][j][v] + av[i][v] * bv[j][v];")
+        emit("}")
+    if kv < k.k:  # the K tail, into lane 0
+        with emit.block(f"for ({it} kk = {kv}; kk < {k.k}; kk++) {{"):
+            emit(f"for (int i = 0; i < {mb}; i++) for (int j = 0; j < {nbk}; j++) acc[i][j][0] = acc[i][j][0] + "
+                 f"{r.read(a_src, f'abase + i * {k.k} + kk')} * {r.read(k.b, f'{b_row} + kk')};")
+        emit("}")
+    if vw > 1:  # pairwise sum of the lanes: a fixed order
+        emit(f"for (int w = {vw // 2}; w > 0; w >>= 1) for (int i = 0; i < {mb}; i++) for (int j = 0; j < {nbk}; "
+             "j++) for (int v = 0; v < w; v++) acc[i][j][v] = acc[i][j][v] + acc[i][j][v + w];")
+    with emit.block(f"for (int i = 0; i < {mb}; i++) {{"):
+        with emit.block(f"for (int j = 0; j < {nbk}; j++) {{"):
+            emit(f"{it} mm = m0 + i;")
+            emit(f"{it} nn = n0 + j;")
+            _epilogue(r, k, ct, bidx, "acc[i][j][0]")
+        emit("}")
+    emit("}")
+    r.close()
+
+
+def _rows(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str, args: list[str], strides: tuple[int, ...],
+          mb: int, vw: int) -> None:
+    emit, t, it = r.emit, r.ctype(ct), r.d.index_type
+    sk = strides[-2]
+    bidx = _block_frame(r, k, nb, args, mb, vw, strides)
+    emit(f"{t} acc[{mb}][{vw}];")
+    emit(f"for (int i = 0; i < {mb}; i++) for (int v = 0; v < {vw}; v++) acc[i][v] = {r.const(0, ct)};")
+    with emit.block(f"for ({it} kk = 0; kk < {k.k}; kk++) {{"):
+        emit(f"{t} bv[{vw}];")
+        emit(f"for (int v = 0; v < {vw}; v++) bv[v] = {r.read(k.b, indexing.at('bbase', 'kk', sk, r.ix) + ' + v')};")
+        with emit.block(f"for (int i = 0; i < {mb}; i++) {{"):
+            emit(f"{t} x = {r.read(a_src, f'abase + i * {k.k} + kk')};")
+            emit(f"for (int v = 0; v < {vw}; v++) acc[i][v] = acc[i][v] + x * bv[v];")
+        emit("}")
+    emit("}")
+    with emit.block(f"for (int i = 0; i < {mb}; i++) {{"):
+        with emit.block(f"for (int v = 0; v < {vw}; v++) {{"):
+            emit(f"{it} mm = m0 + i;")
+            emit(f"{it} nn = n0 + v;")
+            _epilogue(r, k, ct, bidx, "acc[i][v]")
+        emit("}")
+    emit("}")
+    r.close()
+
+
+def _naive(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str, args: list[str]) -> None:
+    """One work-item per output element (B neither K- nor N-contiguous, or N has no usable divisor)."""
+    emit, t, it = r.emit, r.ctype(ct), r.d.index_type
+    total = nb * k.m * k.n
+    r.kernel(k.name, args, -(-total // GROUP), GROUP)
+    r.gid(total)
+    bidx = [f"q{i}" for i in range(len(k.batch))]
+    indexing.decompose(emit, "gid", k.space, bidx + ["mm", "nn"], r.ix)
+    emit(f"{it} qb = gid / {k.m * k.n};")
+    emit(f"{it} arow = (gid / {k.n}) * {k.k};")
+    b_off = indexing.offset(bidx + ["kk", "nn"], broadcast_strides(r.buffers[k.b], k.batch + (k.k, k.n)), r.ix)
+    emit(f"{t} s = {r.const(0, ct)};")
+    with emit.block(f"for ({it} kk = 0; kk < {k.k}; kk++) {{"):
+        emit(f"s = s + {r.read(a_src, 'arow + kk')} * {r.read(k.b, b_off)};")
+    emit("}")
+    _epilogue(r, k, ct, bidx, "s")
+    r.close()
