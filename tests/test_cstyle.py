@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 
 import yirage as yr
-from yirage.codegen.cstyle import render
+from yirage.codegen.cstyle import Gemm, Launch, render
 from yirage.codegen.dialect import Dialect
 from yirage.codegen.dialects import dialect
 from yirage.codegen.exprs import UnsupportedExprError
@@ -37,6 +37,10 @@ def _hand_graphs() -> dict[str, yr.KernelGraph]:
     a, b = g.new_input((1, 2, 8)), g.new_input((3, 8, 5))
     g.mark_output(g.matmul(g.exp(a), b))
     graphs["batched_prologue"] = g
+    g = yr.new_kernel_graph()  # 2**20 multiply-adds: split around a GEMM step by host_gemm dialects
+    x, w, r = g.new_input((4, 16, 64)), g.new_input((64, 256), strides=(1, 64)), g.new_input((256,))
+    g.mark_output(g.silu(g.add(g.matmul(g.rms_norm(x, (64,)), w), r)))
+    graphs["large_matmul_epilogue"] = g
     g = yr.new_kernel_graph()
     x, cos, sin = (g.new_input((4, 16)) for _ in range(3))
     g.mark_output(g.softmax(g.rotary(x, cos, sin), -1))
@@ -118,8 +122,11 @@ def test_renders_every_plan_with_sound_structure(dialect_name: str, name: str) -
         assert len(set(launch.args)) == len(launch.args)
         assert all(a in plan.buffers or a in scratch for a in launch.args)
         assert launch.groups >= 1 and launch.local >= 1
+    steps = rendered.steps
+    assert [x for x in steps if isinstance(x, Launch)] == [x for x in rendered.launches if x.kernel not in
+                                                           {g.fallback for g in steps if isinstance(g, Gemm)}]
     for k in plan.kernels:
-        launches = [x for x in rendered.launches if x.kernel in (k.name, f"{k.name}_pro")]
+        launches = [x for x in rendered.launches if x.kernel in (k.name, f"{k.name}_pro", f"{k.name}_full")]
         args = {a for x in launches for a in x.args}
         main = next(x for x in launches if x.kernel == k.name)
         assert main.args[0] == k.out, "the kernel's output is its first argument"
@@ -215,3 +222,66 @@ def test_dialect_files_are_spellings_only() -> None:
     for name in DIALECTS:
         lines = (Path(pkg.__file__).parent / f"{name}.py").read_text().splitlines()
         assert len(lines) <= 30, f"{name}.py has {len(lines)} lines: a dialect holds spellings, not rendering"
+
+
+# -- large matmuls: prologue kernel -> host GEMM -> epilogue kernel where the dialect has a BLAS at hand ---------
+def _w1_graph() -> yr.KernelGraph:
+    """BENCHMARKS.md's W1 shape: rms_norm(x) * gain @ W + residual, W stored like an nn.Linear weight."""
+    g = yr.new_kernel_graph()
+    x, gain, r = g.new_input((64, 4096)), g.new_input((4096,)), g.new_input((64, 4096))
+    w = g.new_input((4096, 4096), strides=(1, 4096))
+    g.mark_output(g.add(g.matmul(g.mul(g.rms_norm(x, (4096,)), gain), w), r))
+    return g
+
+
+@pytest.mark.parametrize("dialect_name", DIALECTS)
+def test_a_large_fused_matmul_is_split_around_a_gemm_only_where_the_dialect_has_host_gemm(dialect_name: str) -> None:
+    plan, d = build_plan(_w1_graph()), dialect(dialect_name)
+    (k,) = plan.kernels
+    x, gain, r, w = sorted(plan.inputs, key=lambda n: plan.buffers[n].index)  # graph input order
+    out = plan.outputs[0]
+    rendered = render(plan, d)
+    source, launches = rendered.source, {x.kernel: x for x in rendered.launches}
+    if dialect_name in ("opencl", "metal"):  # unchanged: the prologue, then one blocked kernel over K
+        assert rendered.steps == rendered.launches and list(launches) == [f"{k.name}_pro", k.name]
+        assert re.search(r"for \(\w+ \w+ = 0; \w+ < 4096; \w+ \+= \d+\)", _body(source, k.name))
+        return
+    pro, gemm, epi = rendered.steps
+    scratch = {s.name: (s.count, s.dtype) for s in rendered.scratch}
+    assert isinstance(gemm, Gemm) and (pro.kernel, epi.kernel) == (f"{k.name}_pro", k.name)
+    # the prologue writes A = x * gain, row-scaled, as a contiguous (M, K) float32 scratch: the GEMM's a
+    assert pro.args[0] == gemm.a and scratch[gemm.a] == (64 * 4096, "float32") and set(pro.args[1:]) == {x, gain}
+    assert (gemm.a_dims, gemm.a_strides) == ((64, 4096), (4096, 1))
+    # B is the weight input as the caller lays it out; the accumulator is a (M, N) float32 scratch
+    assert (gemm.b, gemm.b_dims, gemm.b_strides) == (w, (4096, 4096), plan.buffers[w].strides)
+    assert scratch[gemm.out] == (64 * 4096, "float32") and gemm.out_dims == (64, 4096) and gemm.dtype == "float32"
+    # the epilogue: one work-item per output, out = acc + residual, no loop
+    assert epi.args == (out, gemm.out, r) and epi.global_size >= 64 * 4096 > epi.global_size - epi.local
+    body = _body(source, k.name)
+    assert "for (" not in body and re.search(rf"v_acc = {gemm.out}\[gid\];", body)
+    # the whole fused kernel stays, outside the steps, as the GEMM's IEEE fallback: what the dialect
+    # renders for this matmul without host_gemm
+    assert (gemm.fallback, gemm.epilogue) == (f"{k.name}_full", k.name) and gemm.fallback in launches
+    whole = render(plan, replace(d, host_gemm=False))
+    assert _body(source, gemm.fallback) == _body(whole.source, k.name)
+    assert launches[gemm.fallback].args == next(x.args for x in whole.launches if x.kernel == k.name)[:1] + (
+        gemm.a,) + next(x.args for x in whole.launches if x.kernel == k.name)[2:]
+
+
+@pytest.mark.parametrize("dialect_name", ["cuda", "hip"])
+def test_small_or_float16_weight_matmuls_stay_kernels_and_bare_products_need_no_epilogue(dialect_name: str) -> None:
+    d = dialect(dialect_name)
+    small = render(PLANS["rms_matmul_epilogue"], d)  # 4 x 32 x 16: one kernel launch is cheaper
+    assert small.steps == small.launches
+    g = yr.new_kernel_graph()
+    g.mark_output(g.matmul(g.new_input((64, 64), dtype=yr.float16), g.new_input((64, 128), dtype=yr.float16)))
+    halves = render(build_plan(g), d)
+    assert halves.steps == halves.launches  # B in float16: the GEMM would need a float32 copy of it
+    g = yr.new_kernel_graph()
+    g.mark_output(g.matmul(g.new_input((2, 64, 64), dtype=yr.float64), g.new_input((64, 128), dtype=yr.float64)))
+    plan = build_plan(g)
+    bare = render(plan, d)  # the GEMM writes the output itself: no prologue, no epilogue kernel
+    (gemm,) = bare.steps
+    assert isinstance(gemm, Gemm) and (gemm.a, gemm.out, gemm.dtype) == ("in0", plan.outputs[0], "float64")
+    assert (gemm.b_dims, gemm.out_dims, gemm.epilogue) == ((64, 128), (2, 64, 128), "")
+    assert [x.kernel for x in bare.launches] == [gemm.fallback] == [plan.kernels[0].name]

@@ -285,8 +285,15 @@ def test_a_cubin_runs_on_the_gpu_and_matches_torch() -> None:
 
 # -- every plan the conformance kit compiles, as the CUDA backend renders it ------------------------------------
 def test_every_conformance_plan_compiles_for_sm80_and_sm90() -> None:
+    from yirage_backend_cuda.launch import read_meta
+
+    from yirage.codegen.cstyle import Gemm
+
     sources = conformance_sources()
     assert len(sources) > 100  # the kit's cases, not an empty recording
+    gemms = [x for name, src in sources.items() for x in read_meta(src, name).steps if isinstance(x, Gemm)]
+    # large matmuls split around a cuBLAS GEMM: their prologue, epilogue and IEEE fallback kernels compile too
+    assert any(g.epilogue for g in gemms) and any(not g.epilogue for g in gemms), gemms
     report = compile_check(sources, ARCHS, options=BUILD_OPTIONS)
     print(report.summary())
     errors = [f for f in report.failures if not f.warnings_only]

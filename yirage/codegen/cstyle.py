@@ -3,7 +3,9 @@
 ``render(plan, dialect)`` returns the source of every kernel of the plan and,
 per kernel, a ``Launch``: its work-group count and size, its arguments in
 order (plan buffers, then scratch buffers the launcher allocates) and an
-optional status check. One work-item per output element (pointwise, embedding;
+optional status check (``Rendered.steps``: the launches, and the ``Gemm``
+steps a ``host_gemm`` dialect hands to the host's BLAS, in the order a call
+runs them; see ``cstyle_matmul``). One work-item per output element (pointwise, embedding;
 a pointwise kernel whose loads are all contiguous indexes them by the global
 id alone, loop-free, so a CPU OpenCL compiler vectorizes across work-items),
 a block of outputs per work-item for matmul (``cstyle_matmul``), one
@@ -28,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from yirage.codegen import cstyle_matmul, indexing
+from yirage.codegen.cstyle_matmul import Gemm
 from yirage.codegen.dialect import Dialect, check_supported
 from yirage.codegen.emit import Emitter
 from yirage.codegen.exprs import Spelling, compute_type, spell_expr
@@ -90,9 +93,16 @@ class Launch:
 
 @dataclass(frozen=True)
 class Rendered:
+    """``launches``: every kernel of ``source``, in source order; ``steps``: what a call runs, in order.
+
+    Without ``Gemm`` steps (every dialect but a ``host_gemm`` one with a large matmul) ``steps`` is
+    ``launches``; with them, each Gemm's ``fallback`` kernel is in ``launches`` but not in ``steps``.
+    """
+
     source: str
     launches: tuple[Launch, ...]
     scratch: tuple[Scratch, ...]
+    steps: tuple[Launch | Gemm, ...] = ()
 
 
 class _Renderer:
@@ -104,6 +114,7 @@ class _Renderer:
                        if b.role != "temp" and b.dtype.name in ("float16", "bfloat16")}
         self.emit = Emitter()
         self.launches: list[Launch] = []
+        self.steps: list[Launch | Gemm] = []
         self.scratch: list[Scratch] = []
         it = dialect.index_type
         self.ix = IndexSyntax(const=str, declare=lambda n, v: f"{it} {n} = {v};", assign=lambda n, v: f"{n} = {v};")
@@ -196,8 +207,12 @@ class _Renderer:
         emit("}")
 
     # -- kernel frame ---------------------------------------------------------------
-    def kernel(self, name: str, args: Sequence[str], groups: int, local: int, check: Check | None = None) -> None:
-        """Emit the signature (one parameter per argument; the first and scratch ones written) and open the body."""
+    def kernel(self, name: str, args: Sequence[str], groups: int, local: int, check: Check | None = None,
+               step: bool = True) -> None:
+        """Emit the signature (one parameter per argument; the first and scratch ones written) and open the body.
+
+        ``step=False``: a kernel the call runs only in place of a ``Gemm`` step (its fallback).
+        """
         params = []
         scratch = {s.name for s in self.scratch}
         for i, a in enumerate(args):
@@ -209,6 +224,8 @@ class _Renderer:
         self.emit.depth += 1
         self.body_start = len(self.emit.lines)
         self.launches.append(Launch(name, tuple(args), groups, local, check))
+        if step:
+            self.steps.append(self.launches[-1])
 
     def close(self) -> None:
         self.prune_unused()
@@ -455,7 +472,7 @@ class _Renderer:
         self.helpers(cts | {"float32"} if self.d.types.get("float32") else cts)
         for k in self.plan.kernels:
             self.KERNELS[type(k)](self, k)
-        return Rendered(self.emit.source(), tuple(self.launches), tuple(self.scratch))
+        return Rendered(self.emit.source(), tuple(self.launches), tuple(self.scratch), tuple(self.steps))
 
     KERNELS: dict[type, Callable[[_Renderer, Kernel], None]] = {}  # filled below
 

@@ -1,8 +1,9 @@
 """Matmul kernels of the C-family renderer (``yirage.codegen.cstyle``): register-blocked, dialect-generic.
 
-A matmul is at most two launches: a prologue that materializes A's rows
-(the ``a`` expression, scaled by a fused RMSNorm's rsqrt) when A is not a
-plain contiguous buffer, then the product. The product kernel takes one of
+A matmul is at most two launches (a large one on a ``host_gemm`` dialect: see
+the end): a prologue that materializes A's rows (the ``a`` expression, scaled
+by a fused RMSNorm's rsqrt) when A is not a plain contiguous buffer, then the
+product. The product kernel takes one of
 three shapes, chosen from B's strides over ``batch + (K, N)``:
 
 - **dot** (B contiguous along K, e.g. an ``nn.Linear`` weight viewed as (K, N)):
@@ -22,17 +23,32 @@ Blocks divide M and N exactly (the block sizes are chosen among divisors), so
 no work-item branches on a partial block; the K tail of the dot shape is a
 scalar loop. The work-item index puts the M block fastest, so neighbouring
 work-items share B's columns in cache.
+
+A dialect with ``host_gemm`` (CUDA, HIP: a vendor BLAS is at hand) splits a
+float32/float64 matmul of at least ``HOST_GEMM_MIN_MNK`` multiply-adds whose B
+is a plain buffer of the compute type into steps: the prologue kernel (when A
+is not a plain buffer of the compute type, or a fused RMSNorm scales it), a
+``Gemm`` step (the backend runs ``a @ b`` with its BLAS into a scratch
+accumulator), then an elementwise epilogue kernel ``{name}`` that reads
+``v_acc`` from that accumulator. When the epilogue is the bare accumulator and
+the output is stored at compute type, the GEMM writes the output directly and
+there is no epilogue kernel. The whole product (one of the shapes above) is
+still rendered, as ``{name}_full`` (or ``{name}`` when there is no epilogue
+kernel), outside ``Rendered.steps``: the backend runs it instead of the GEMM
+and the epilogue when its BLAS must not be used (e.g. TF32 allowed for
+float32), so results can stay IEEE.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from yirage.codegen import indexing
 from yirage.codegen.exprs import compute_type
 from yirage.compiler.indexing import broadcast_strides
-from yirage.compiler.kernel_ir import Load, Matmul, loads
+from yirage.compiler.kernel_ir import Load, Matmul, Var, loads
 from yirage.graph.kernel_graph import contiguous_strides
 
 if TYPE_CHECKING:
@@ -47,6 +63,35 @@ DOT_ROWS = (8, 4, 2)  # MB: the first that divides M
 DOT_COLS, GEMV_COLS = (2,), (8, 4, 2)  # NB: the first that divides N (GEMV_COLS when MB = 1)
 ROW_ROWS = (8, 4, 2)
 ROW_WIDTHS, GEMV_WIDTHS = (16, 8, 4, 2), (64, 32, 16, 8, 4, 2)  # columns per work-item in the rows shape
+#: smallest batch*M*N*K a host_gemm dialect sends to the host's GEMM: below it one kernel launch is the whole cost
+HOST_GEMM_MIN_MNK = 1 << 18
+EPILOGUE_GROUP = 256  # work-group size of the split epilogue kernel (one work-item per output element)
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """A step between kernels: ``out = a @ b`` by the backend's BLAS (torch.matmul) on views of plan buffers.
+
+    ``a`` is contiguous over ``a_dims`` (batch + (M, K)); ``b`` is viewed with ``b_dims``/``b_strides``
+    (batch + (K, N), stride 0 on a broadcast batch dim; without its own batch dims B is just (K, N)),
+    ``out`` is contiguous over ``out_dims`` (batch + (M, N)); all hold ``dtype`` (float32 or float64).
+    ``fallback`` computes the Matmul's whole output (epilogue included) from ``a`` and B: a backend that
+    must not use its BLAS (e.g. TF32 allowed for float32) launches it in place of this step and skips
+    the ``epilogue`` kernel ("" when the GEMM writes the Matmul's output itself).
+    """
+
+    name: str  # the Matmul kernel this step belongs to
+    a: str
+    a_dims: tuple[int, ...]
+    a_strides: tuple[int, ...]
+    b: str
+    b_dims: tuple[int, ...]
+    b_strides: tuple[int, ...]
+    out: str
+    out_dims: tuple[int, ...]
+    dtype: str
+    fallback: str
+    epilogue: str = ""
 
 
 def _divisor(n: int, choices: tuple[int, ...]) -> int:
@@ -54,28 +99,71 @@ def _divisor(n: int, choices: tuple[int, ...]) -> int:
 
 
 def matmul(r: _Renderer, k: Matmul) -> None:
-    """Emit ``k``: its prologue if A needs one, then the product in the shape B's layout allows."""
+    """Emit ``k``: its prologue if A needs one, then the product in the shape B's layout allows.
+
+    With a ``host_gemm`` dialect and a large float product: prologue, ``Gemm`` step, epilogue kernel,
+    and the product kept aside as the GEMM's fallback (module docstring).
+    """
     ct = compute_type(r.buffers[k.out])
     nb = max(1, math.prod(k.batch))
     scale = k.row_scale is not None
+    host = _host_gemm(r, k, ct, nb)
     a_names = list(dict.fromkeys(loads(k.a) + (loads(k.row_scale) if k.row_scale is not None else [])))
     a_src = _plain_a(r, k)
-    if a_src is None or scale:
+    if a_src is None or scale or (host and (a_src in r.narrow or compute_type(r.buffers[a_src]) != ct)):
         a_src = _prologue(r, k, ct, nb, a_names)
         a_names = [a_src]
     epi = list(dict.fromkeys(loads(k.epilogue)))
     args = list(dict.fromkeys([k.out] + a_names + [k.b] + epi))
+    name, step = k.name, True
+    if host:
+        name, step = _gemm_steps(r, k, ct, nb, a_src), False
     strides = broadcast_strides(r.buffers[k.b], k.batch + (k.k, k.n))
     sk, sn = strides[-2], strides[-1]
     wide = r.ctype(ct) in ("double", "long", "long long")
     if sk == 1:
         mb = _divisor(k.m, DOT_ROWS)
         _dot(r, k, ct, nb, a_src, args, strides, mb=mb, nbk=_divisor(k.n, GEMV_COLS if mb == 1 else DOT_COLS),
-             vw=DOT_LANES // 2 if wide else DOT_LANES)
+             vw=DOT_LANES // 2 if wide else DOT_LANES, name=name, step=step)
     elif sn == 1 and (vw := _divisor(k.n, GEMV_WIDTHS if k.m == 1 else ROW_WIDTHS)) > 1:
-        _rows(r, k, ct, nb, a_src, args, strides, mb=_divisor(k.m, ROW_ROWS), vw=vw)
+        _rows(r, k, ct, nb, a_src, args, strides, mb=_divisor(k.m, ROW_ROWS), vw=vw, name=name, step=step)
     else:
-        _naive(r, k, ct, nb, a_src, args)
+        _naive(r, k, ct, nb, a_src, args, name=name, step=step)
+
+
+def _host_gemm(r: _Renderer, k: Matmul, ct: str, nb: int) -> bool:
+    """Whether ``k`` goes to the host's GEMM: a host_gemm dialect, a float product big enough, B plain at ``ct``."""
+    b = r.buffers[k.b]
+    return (r.d.host_gemm and ct in ("float32", "float64") and nb * k.m * k.n * k.k >= HOST_GEMM_MIN_MNK
+            and k.b not in r.narrow and compute_type(b) == ct)
+
+
+def _gemm_steps(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str) -> str:
+    """Add the ``Gemm`` step (and the epilogue kernel after it); return the name of the fallback product kernel."""
+    direct = k.epilogue == Var("acc") and k.out not in r.narrow
+    acc = k.out if direct else r.add_scratch(f"s_{k.name}_acc", nb * k.m * k.n, ct)
+    b_dims = k.batch + (k.k, k.n)
+    b_strides = broadcast_strides(r.buffers[k.b], b_dims)
+    if not any(b_strides[:len(k.batch)]):  # one B for every batch: the GEMM broadcasts it
+        b_dims, b_strides = b_dims[len(k.batch):], b_strides[len(k.batch):]
+    fallback = k.name if direct else f"{k.name}_full"
+    r.steps.append(Gemm(k.name, a_src, k.a_space, contiguous_strides(k.a_space), k.b, b_dims, b_strides, acc,
+                        k.space, ct, fallback, "" if direct else k.name))
+    if not direct:
+        _split_epilogue(r, k, ct, nb, acc)
+    return fallback
+
+
+def _split_epilogue(r: _Renderer, k: Matmul, ct: str, nb: int, acc: str) -> None:
+    """One work-item per output element: out = epilogue(``acc[gid]``), the GEMM step's result."""
+    total = nb * k.m * k.n
+    r.kernel(k.name, list(dict.fromkeys([k.out, acc] + loads(k.epilogue))), -(-total // EPILOGUE_GROUP),
+             EPILOGUE_GROUP)
+    r.gid(total)
+    bidx = [f"q{i}" for i in range(len(k.batch))]
+    indexing.decompose(r.emit, "gid", k.space, bidx + ["mm", "nn"], r.ix)
+    _epilogue(r, k, ct, bidx, r.read(acc, "gid"), out_off="gid")
+    r.close()
 
 
 def _plain_a(r: _Renderer, k: Matmul) -> str | None:
@@ -114,23 +202,23 @@ def _prologue(r: _Renderer, k: Matmul, ct: str, nb: int, a_names: list[str]) -> 
     return a_src
 
 
-def _epilogue(r: _Renderer, k: Matmul, ct: str, bidx: list[str], value: str) -> None:
+def _epilogue(r: _Renderer, k: Matmul, ct: str, bidx: list[str], value: str, out_off: str = "") -> None:
     """Write output (``qb``, ``mm``, ``nn``) = epilogue(``value``); A's rows carry the RMSNorm scale already."""
     t = r.ctype(ct)
     r.emit(f"{t} v_acc = {value};")
     if k.row_scale is not None:
         r.emit(f"{t} v_scale = {r.const(1, ct)};  // A's rows are scaled already")
     load = r.loader(k.space, bidx + ["mm", "nn"], ct)
-    r.emit(r.write(k.out, f"(qb * {k.m} + mm) * {k.n} + nn", r.expr(k.epilogue, load, ct)))
+    r.emit(r.write(k.out, out_off or f"(qb * {k.m} + mm) * {k.n} + nn", r.expr(k.epilogue, load, ct)))
 
 
 def _block_frame(r: _Renderer, k: Matmul, nb: int, args: list[str], mb: int, nw: int,
-                 strides: tuple[int, ...]) -> list[str]:
+                 strides: tuple[int, ...], name: str, step: bool) -> list[str]:
     """Open a blocked kernel: work-item -> (qb, m0, n0) with the M block fastest; A's and B's base offsets."""
     emit, it = r.emit, r.d.index_type
     mblocks, nblocks = k.m // mb, k.n // nw
     items = nb * mblocks * nblocks
-    r.kernel(k.name, args, -(-items // BLOCK_GROUP), BLOCK_GROUP)
+    r.kernel(name, args, -(-items // BLOCK_GROUP), BLOCK_GROUP, step=step)
     emit(f"{it} gid = {r.d.ids['global']};")
     if items % BLOCK_GROUP:
         emit(f"if (gid >= {items}) return;")
@@ -146,10 +234,10 @@ def _block_frame(r: _Renderer, k: Matmul, nb: int, args: list[str], mb: int, nw:
 
 
 def _dot(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str, args: list[str], strides: tuple[int, ...],
-         mb: int, nbk: int, vw: int) -> None:
+         mb: int, nbk: int, vw: int, name: str, step: bool) -> None:
     emit, t, it = r.emit, r.ctype(ct), r.d.index_type
     sn = strides[-1]
-    bidx = _block_frame(r, k, nb, args, mb, nbk, strides)
+    bidx = _block_frame(r, k, nb, args, mb, nbk, strides, name, step)
     zero = r.const(0, ct)
     kv = k.k - k.k % vw
     emit(f"{t} acc[{mb}][{nbk}][{vw}];")
@@ -186,10 +274,10 @@ def _dot(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str, args: list[str],
 
 
 def _rows(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str, args: list[str], strides: tuple[int, ...],
-          mb: int, vw: int) -> None:
+          mb: int, vw: int, name: str, step: bool) -> None:
     emit, t, it = r.emit, r.ctype(ct), r.d.index_type
     sk = strides[-2]
-    bidx = _block_frame(r, k, nb, args, mb, vw, strides)
+    bidx = _block_frame(r, k, nb, args, mb, vw, strides, name, step)
     emit(f"{t} acc[{mb}][{vw}];")
     emit(f"for (int i = 0; i < {mb}; i++) for (int v = 0; v < {vw}; v++) acc[i][v] = {r.const(0, ct)};")
     with emit.block(f"for ({it} kk = 0; kk < {k.k}; kk++) {{"):
@@ -210,11 +298,11 @@ def _rows(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str, args: list[str]
     r.close()
 
 
-def _naive(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str, args: list[str]) -> None:
+def _naive(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str, args: list[str], name: str, step: bool) -> None:
     """One work-item per output element (B neither K- nor N-contiguous, or N has no usable divisor)."""
     emit, t, it = r.emit, r.ctype(ct), r.d.index_type
     total = nb * k.m * k.n
-    r.kernel(k.name, args, -(-total // GROUP), GROUP)
+    r.kernel(name, args, -(-total // GROUP), GROUP, step=step)
     r.gid(total)
     bidx = [f"q{i}" for i in range(len(k.batch))]
     indexing.decompose(emit, "gid", k.space, bidx + ["mm", "nn"], r.ix)

@@ -60,6 +60,8 @@ class Dialect:
     #: unsigned integers (the PersistentKernel's sampler hashes and bisects float bits with them)
     unsigned: Mapping[str, str] = field(default_factory=dict)  # "uint32"/"uint64" -> C name
     bits: str = ""  # reinterpret float32 {x} as its uint32 bits ("" = the dialect cannot)
+    #: large float matmuls become prologue kernel -> host GEMM (``Gemm`` step: the vendor BLAS) -> epilogue kernel
+    host_gemm: bool = False
 
     @property
     def functions(self) -> frozenset[str]:

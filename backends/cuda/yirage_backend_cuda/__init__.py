@@ -8,7 +8,9 @@ Kernel plans are rendered by the core's C-family renderer in the CUDA dialect,
 built to cubins with NVRTC (``nvrtc.py``; works without a GPU, so CI compiles
 for sm_80 and sm_90) and launched on torch CUDA tensors through the driver API
 (``launch.py`` over ``driver.py``; ``capturable(exe)`` is the CUDA-graph-capturable
-call path).
+call path). Large float matmuls run as torch's cuBLAS GEMM between the renderer's
+prologue and epilogue kernels, which keep the fused RMSNorm, bias, residual and
+activation (``gemm.py``).
 ``compile_check`` (any sources) and ``check_conformance`` (every plan of the
 conformance kit) are the compile-only entry points for CI and backend_manager.
 """

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from yirage.errors import YirageError
 from yirage_backend_cuda.cubin import CubinError, inspect_cubin
@@ -131,7 +132,33 @@ def conformance_sources(*, timeout: float = 900) -> dict[str, str]:
         sources = {p.stem: p.read_text(encoding="utf-8") for p in sorted(Path(tmp).glob("*.cu"))}
     cuda = registry().get("cuda")
     sources.update({f"seed{s}": cuda.render(build_plan(seeded_graph(s))) for s in range(RANDOM_GRAPHS)})
+    sources.update({name: cuda.render(build_plan(g)) for name, g in gemm_graphs().items()})
     return sources
+
+
+def gemm_graphs() -> dict[str, Any]:
+    """Graphs whose matmuls the renderer splits around a GEMM step (the kit's are too small for that), so the
+    compile check covers prologue, epilogue and fallback kernels: a W1-like RMSNorm * gain @ W + residual, a
+    float64 batch-broadcast product with exp/silu, a batched product with relu, a bare product (no epilogue)."""
+    import yirage as yr
+
+    graphs = {}
+    g = yr.new_kernel_graph()
+    x, gain, r = g.new_input((64, 4096)), g.new_input((4096,)), g.new_input((64, 4096))
+    w = g.new_input((4096, 4096), strides=(1, 4096))
+    g.mark_output(g.add(g.matmul(g.mul(g.rms_norm(x, (4096,)), gain), w), r))
+    graphs["gemm_w1"] = g
+    g = yr.new_kernel_graph()
+    a, b = g.new_input((4, 64, 64), dtype=yr.float64), g.new_input((64, 64), dtype=yr.float64)
+    g.mark_output(g.silu(g.matmul(g.exp(a), b)))
+    graphs["gemm_f64_broadcast"] = g
+    g = yr.new_kernel_graph()
+    g.mark_output(g.relu(g.matmul(g.new_input((2, 64, 64)), g.new_input((2, 64, 64)))))
+    graphs["gemm_batched_relu"] = g
+    g = yr.new_kernel_graph()
+    g.mark_output(g.matmul(g.new_input((64, 128)), g.new_input((128, 64))))
+    graphs["gemm_bare"] = g
+    return graphs
 
 
 def check_conformance(archs: Sequence[str] = DEFAULT_ARCHS, *, workers: int | None = None) -> CheckReport:

@@ -13,8 +13,9 @@ raw address safe (exact tensor type, layout, shape, strides, a storage that
 holds the view, no conj/neg bit) is checked by the core's ``Executable``, the
 only caller of a backend's ``run``. It allocates outputs, temporaries and
 scratch with torch on that device (torch's caching allocator), zeroes scratch
-with ``cuMemsetD8Async`` and launches every kernel on torch's current stream
-(a large plain matmul may run as ``torch.matmul`` there instead: ``gemm.py``).
+with ``cuMemsetD8Async`` and runs the rendered steps in order on torch's current
+stream: kernels through ``cuLaunchKernel``, the renderer's ``Gemm`` steps (large
+matmuls) as ``torch.matmul`` (``gemm.py``; or their IEEE fallback kernel).
 
 Lifetimes: ``tensors`` holds every tensor a kernel reads or writes until the
 last launch is enqueued. That is enough because torch's caching allocator is
@@ -54,16 +55,16 @@ import json
 import math
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from yirage.codegen.cstyle import Check, Launch, Scratch, render
+from yirage.codegen.cstyle import Check, Gemm, Launch, Scratch, render
 from yirage.codegen.dialects.cuda import DIALECT
 from yirage.compiler.kernel_ir import KernelPlan
 from yirage.compiler.stages import Artifact
 from yirage.errors import YirageError
 from yirage_backend_cuda.driver import CudaModule, LaunchError, call
-from yirage_backend_cuda.gemm import gemm_specs, run_gemm, use_cublas
+from yirage_backend_cuda.gemm import gemm_from_json, run_gemm, use_cublas
 
 SOURCE_NAME = "kernels.cu"
 META_PREFIX = "// yirage-launch: "
@@ -81,9 +82,9 @@ class PlanMeta:
     inputs: tuple[tuple[str, int, str], ...]  # (buffer, graph input index, dtype)
     buffers: tuple[tuple[str, tuple[int, ...], str, str], ...]  # outputs and temps: (name, dims, dtype, role)
     outputs: tuple[str, ...]
-    launches: tuple[Launch, ...]
+    launches: tuple[Launch, ...]  # every kernel of the source
     scratch: tuple[Scratch, ...]
-    gemms: dict[str, dict[str, Any]]  # Matmul kernel -> the torch.matmul that may replace its launches (gemm.py)
+    steps: tuple[Launch | Gemm, ...]  # what a call runs, in order (a Gemm's fallback kernel is not a step)
 
 
 def render_source(plan: KernelPlan) -> str:
@@ -95,7 +96,7 @@ def render_source(plan: KernelPlan) -> str:
         "outputs": list(plan.outputs),
         "launches": [asdict(x) for x in rendered.launches],
         "scratch": [asdict(s) for s in rendered.scratch],
-        "gemms": gemm_specs(plan, [x.kernel for x in rendered.launches]),
+        "steps": [{"gemm": asdict(x)} if isinstance(x, Gemm) else {"kernel": x.kernel} for x in rendered.steps],
     }
     return META_PREFIX + json.dumps(meta, separators=(",", ":")) + "\n" + rendered.source
 
@@ -108,15 +109,18 @@ def read_meta(source: str, where: str) -> PlanMeta:
         raise MetaError(f"{where} does not start with the launch metadata line ({META_PREFIX.strip()!r}); {fix}")
     try:
         m = json.loads(header.removeprefix(META_PREFIX))
-        return PlanMeta(
+        meta = PlanMeta(
             inputs=tuple((str(n), int(i), str(d)) for n, i, d in m["inputs"]),
             buffers=tuple((str(n), tuple(int(x) for x in dims), str(d), str(r)) for n, dims, d, r in m["buffers"]),
             outputs=tuple(str(n) for n in m["outputs"]),
             launches=tuple(Launch(x["kernel"], tuple(x["args"]), int(x["groups"]), int(x["local"]),
                                   Check(**x["check"]) if x["check"] else None) for x in m["launches"]),
             scratch=tuple(Scratch(s["name"], int(s["count"]), s["dtype"]) for s in m["scratch"]),
-            gemms={str(k): dict(v) for k, v in m["gemms"].items()},
+            steps=(),
         )
+        by_name = {x.kernel: x for x in meta.launches}
+        steps = tuple(gemm_from_json(x["gemm"]) if "gemm" in x else by_name[x["kernel"]] for x in m["steps"])
+        return replace(meta, steps=steps)
     except (ValueError, KeyError, TypeError) as exc:
         raise MetaError(f"the launch metadata of {where} is malformed ({type(exc).__name__}: {exc}); {fix}") from exc
 
@@ -187,8 +191,7 @@ class PlanLauncher:
             raise LaunchError(f"status checks {sorted(status_names)} need one int32 scratch buffer each, the metadata "
                               f"declares {meta.scratch}: a renderer this launcher does not match; delete the cache "
                               "entry and report it")
-        replaced = {x: (spec, x == spec["replaces"][0]) for spec in meta.gemms.values() for x in spec["replaces"]}
-        self._functions = []
+        self._functions: dict[str, tuple[Any, Launch, tuple[Any, ...]]] = {}
         for launch in meta.launches:
             fn = module.function(launch.kernel)
             limit = module.max_threads(fn)
@@ -196,9 +199,35 @@ class PlanLauncher:
                 raise LaunchError(f"kernel {launch.kernel} is launched with {launch.groups} blocks of {launch.local} "
                                   f"threads; it allows 1..{limit} threads and 1..{MAX_GRID_X} blocks. A bug in "
                                   "yirage's C-family renderer: report it with the graph (g.to_json())")
-            self._functions.append((fn, launch, (ctypes.c_void_p,) * len(launch.args), replaced.get(launch.kernel)))
+            self._functions[launch.kernel] = (fn, launch, (ctypes.c_void_p,) * len(launch.args))
+        self._check_steps()
         self._sticky: dict[str, Any] | None = None  # persistent status buffers of capturable calls
         self._lock = threading.Lock()
+
+    def _check_steps(self) -> None:
+        """Every step names a kernel of the module or buffers of the call at the GEMM's dtype; every kernel runs."""
+        import torch
+
+        meta = self.meta
+        dtypes = {n: d for n, _, d in self._inputs}
+        dtypes.update({n: d for n, _, d, _ in self._allocs})
+        bad = []
+        for step in meta.steps:
+            if isinstance(step, Gemm):
+                kernels = [step.fallback] + ([step.epilogue] if step.epilogue else [])
+                want = getattr(torch, step.dtype) if step.dtype in ("float32", "float64") else None
+                bad += [f"GEMM {step.name}: buffer {n} is {dtypes.get(n, 'not a buffer of the plan')}, not "
+                        f"{step.dtype}" for n in (step.a, step.b, step.out)
+                        if want is None or dtypes.get(n) is not want]
+            else:
+                kernels = [step.kernel]
+            bad += [f"step kernel {x} is not in the module" for x in kernels if x not in self._functions]
+        ran = {x.kernel for x in meta.steps if isinstance(x, Launch)} | {x.fallback for x in meta.steps
+                                                                        if isinstance(x, Gemm)}
+        bad += [f"kernel {x} is neither a step nor a GEMM's fallback" for x in self._functions if x not in ran]
+        if bad:
+            raise LaunchError(f"the launch metadata's steps do not match its kernels and buffers ({'; '.join(bad)}): "
+                              "a renderer this launcher does not match; delete the cache entry and report it")
 
     # -- the call --------------------------------------------------------------------------------------
     def __call__(self, inputs: Sequence[Any]) -> list[Any]:
@@ -231,11 +260,19 @@ class PlanLauncher:
             if not deferred:
                 for name in self._status_dtypes:
                     self._memset(tensors[name], stream)
-            for fn, launch, types, gemm in self._functions:
-                if gemm is not None and use_cublas(gemm[0]):
-                    if gemm[1]:  # the first launch of the Matmul: its product, by torch's cuBLAS on this stream
-                        run_gemm(gemm[0], tensors)
+            skipped = set()  # epilogue kernels of GEMMs whose fallback ran
+            for step in self.meta.steps:
+                if isinstance(step, Gemm):
+                    if use_cublas(step):  # the product by torch's cuBLAS, on this stream
+                        run_gemm(step, tensors)
+                        continue
+                    kernel = step.fallback  # the IEEE kernel computes the whole output, epilogue included
+                    skipped.add(step.epilogue)
+                elif step.kernel in skipped:
                     continue
+                else:
+                    kernel = step.kernel
+                fn, launch, types = self._functions[kernel]
                 pointers = tuple(tensors[a].data_ptr() for a in launch.args)
                 call(drv, f"cuLaunchKernel({launch.kernel})", drv.cuLaunchKernel(
                     fn, launch.groups, 1, 1, launch.local, 1, 1, 0, stream, (pointers, types), 0))

@@ -18,7 +18,7 @@ DIALECT = Dialect(
     types={"float32": "float", "float64": "double", "int32": "int", "int64": "long long"},
     math={"exp": "exp", "sqrt": "sqrt", "erf": "erf", "pow": "pow", "int_as_float": "__int_as_float"},
     infinity={"float32": "__int_as_float(0x7f800000)", "float64": "__longlong_as_double(0x7ff0000000000000LL)"},
-    launch_bounds=lambda n: f"__launch_bounds__({n}) ",
+    launch_bounds=lambda n: f"__launch_bounds__({n}) ", host_gemm=True,
     unsigned={"uint32": "unsigned int", "uint64": "unsigned long long"}, bits="__float_as_uint({x})",
     narrow={"float16": ("__half", "__half2float({p}[{i}])", "{p}[{i}] = __float2half_rn({v})"),
             "bfloat16": ("__nv_bfloat16", "__bfloat162float({p}[{i}])", "{p}[{i}] = __float2bfloat16_rn({v})")},
