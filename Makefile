@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SETUP_INPUTS := scripts/setup.sh pyproject.toml $(wildcard backends/*/pyproject.toml)
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test lint triton-interpret
 
 setup: $(VENV)/.installed
 
@@ -19,3 +19,15 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest
+	$(MAKE) triton-interpret
+
+# The conformance kit on the triton backend in Triton's interpreter (numpy on CPU tensors; TRITON_INTERPRET=1
+# must be set before triton is imported), into a fresh compile cache; then the Triton tests that need the
+# interpreter, and every plan of that cache compiled ahead of time for sm_90 and gfx942 (no GPU needed).
+TRITON_KIT_CACHE := build/triton-kit-cache
+triton-interpret: setup
+	rm -rf $(TRITON_KIT_CACHE)
+	TRITON_INTERPRET=1 YIRAGE_CACHE_DIR=$(abspath $(TRITON_KIT_CACHE)) $(PY) -m pytest -q --yirage-backend triton \
+		tests/test_conformance.py tests/test_kit_oracle.py tests/test_kit_random_graphs.py
+	TRITON_INTERPRET=1 YIRAGE_TRITON_AOT_CACHE=$(abspath $(TRITON_KIT_CACHE)) $(PY) -m pytest -q -rs \
+		tests/test_triton_render.py tests/test_triton_aot.py tests/test_launched_runtime.py

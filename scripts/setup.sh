@@ -23,6 +23,7 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
     -e "backends/cuda[nvrtc]" \
     -e backends/mps \
     -e backends/domestic \
+    -e "backends/triton[triton]" \
     "nvidia-cuda-nvrtc==13.0.*" "nvidia-cuda-runtime==13.0.*"
 # NVRTC 13.0 exactly (above): newer NVRTCs emit PTX that the ptxas 13.0 here, which re-checks it, rejects
 # the real model of the demo and the tests (SmolLM2-135M-Instruct, Q4_1 GGUF), fetched once into the cache

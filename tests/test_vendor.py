@@ -120,6 +120,8 @@ def test_torch_adapter_backends_use_their_registered_device_module(monkeypatch) 
     reg = Registry(environ={})
     ascend = reg.get("ascend")
     assert ascend.availability().ok and "Ascend910B" in ascend.availability().reason
+    assert "; kernels: " in ascend.availability().reason  # which compiler path: tests/test_domestic_paths.py
+    assert ascend.kernel_path().path in ("triton", "torch") and ascend.kernel_path().settled
     assert ascend.device_count() == 8
     assert ascend.device_info().compute_units == 24
     assert ascend.memory_info().free == 60 << 30

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,8 @@ from yirage import config, system
 from yirage.backend import selection
 from yirage.errors import YirageError
 
+logger = logging.getLogger("yirage.cli")
+
 
 def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.1f} GiB"
@@ -39,10 +42,34 @@ def _size(n: int) -> str:
     return f"{n // 2**20} MiB" if n >= 2**20 else f"{n // 2**10} KiB"
 
 
+def kernel_path_info(backend: Any) -> dict[str, Any] | None:
+    """The compiler path a backend uses (or would use) and why, for backends that can tell.
+
+    Optional backend method ``kernel_path()``: an object with ``path`` (e.g. "triton", "torch"),
+    ``reason`` (a sentence) and ``summary()`` (e.g. "would use: torch lowering (triton-ascend not
+    installed)"). The domestic backends have it; None for backends without it.
+    """
+    method = getattr(backend, "kernel_path", None)
+    if not callable(method):
+        return None
+    try:
+        path = method()
+        return {"path": str(path.path), "reason": str(path.reason), "summary": str(path.summary())}
+    except Exception as exc:  # noqa: BLE001 - a plugin's failing answer is shown, the rest is still described
+        logger.warning("kernel_path() of backend %r failed", backend.name, exc_info=True)
+        return {"path": None, "reason": "", "summary": f"kernel_path() raised {type(exc).__name__}: {exc}"}
+
+
 def collect_info() -> dict[str, Any]:
     """Everything ``info`` shows, as plain data (the ``--json`` output)."""
     reg = selection.registry()
-    backends = [selection.describe(b) for b in reg.backends()]
+    backends = []
+    for backend in reg.backends():
+        described = selection.describe(backend)
+        path = kernel_path_info(backend)
+        if path is not None:
+            described["kernel_path"] = path
+        backends.append(described)
     try:
         default: dict[str, Any] = {"backend": selection.get_backend().value}
     except YirageError as exc:
@@ -106,6 +133,12 @@ def print_info(info: dict[str, Any]) -> None:
     for b in info["backends"]:
         extra = f" ({b['error']})" if b.get("error") else ""
         print(f"  {b['name']:<10} {b['reason']}{extra}")
+    paths = [(b["name"], b["kernel_path"]) for b in info["backends"] if b.get("kernel_path")]
+    if paths:
+        print()
+        print("Compiler paths (kernel plans and PersistentKernels)")
+        for name, path in paths:
+            print(f"  {name:<10} {path['summary']}")
     problems = [p for p in info["plugins"] if p["status"] != "loaded" or p["error"]]
     if problems or info["conflicts"]:
         print()

@@ -171,6 +171,10 @@ class Backend:
     #: conformance-kit kernel without running it; returns an object with ``ok: bool`` and ``summary() -> str``
     #: (``backend_manager.py test NAME`` runs it when the backend is unavailable here)
     compile_check: ClassVar[Any] = None
+    #: optional: a method ``kernel_path(self)`` for backends with more than one compiler path (the domestic
+    #: ones: the vendor's Triton or the torch lowering); returns an object with ``path: str``, ``reason: str`` and
+    #: ``summary() -> str`` (``backend_manager.py info`` shows it, also for unavailable backends)
+    kernel_path: ClassVar[Any] = None
 
     def compile(self, plan: Any, graph: Any) -> Any:
         """Build a callable ``run(inputs) -> outputs`` for a fused KernelPlan.

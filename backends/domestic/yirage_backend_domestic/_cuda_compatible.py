@@ -1,4 +1,4 @@
-"""Shared probe for accelerators that present themselves through ``torch.cuda``."""
+"""Shared probe for accelerators that present themselves through ``torch.cuda`` (MetaX, Iluvatar, Hygon)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from typing import ClassVar
 
 import yirage
 from yirage.backend.probes import TorchCudaFacts, TorchDevice, torch_cuda_facts, torch_cuda_memory
+from yirage_backend_domestic._kernels import DomesticKernels
 
 
-class CudaCompatibleBackend(yirage.Backend):
-    """A vendor whose devices torch lists under ``torch.cuda``, told apart by name."""
+class CudaCompatibleBackend(DomesticKernels):
+    """A vendor whose devices torch lists under ``torch.cuda``, told apart by name; kernels: see ``_kernels``."""
 
     torch_device = "cuda"
     device_kind = "gpu"
@@ -29,7 +30,8 @@ class CudaCompatibleBackend(yirage.Backend):
             return yirage.Availability(False, facts.error or "torch is not installed")
         found = self.matching(facts)
         if found:
-            return yirage.Availability(True, f"{found[0].name} ({len(found)} device(s)) via torch.cuda")
+            note = self.kernels_note(self.settle_path())
+            return yirage.Availability(True, f"{found[0].name} ({len(found)} device(s)) via torch.cuda; {note}")
         if not facts.devices:
             if facts.hip_version:
                 build = f"built for HIP {facts.hip_version}"
@@ -43,6 +45,9 @@ class CudaCompatibleBackend(yirage.Backend):
             )
         names = ", ".join(repr(d.name) for d in facts.devices)
         return yirage.Availability(False, f"torch.cuda devices ({names}) are not {self.vendor} devices")
+
+    def present(self) -> str:
+        return f"{self.vendor}'s torch build sees the device"
 
     def _devices(self) -> list[TorchDevice]:
         self.require_available()

@@ -1,4 +1,4 @@
-"""Shared probe for accelerators with their own torch adapter package."""
+"""Shared probe for accelerators with their own torch adapter package (Ascend, Cambricon, Moore Threads)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from typing import Any, ClassVar
 
 import yirage
 from yirage.backend.probes import module_installed
+from yirage_backend_domestic._kernels import DomesticKernels
 
 
-class TorchAdapterBackend(yirage.Backend):
-    """A device reached as ``torch.<torch_device>`` once ``adapter`` is imported."""
+class TorchAdapterBackend(DomesticKernels):
+    """A device reached as ``torch.<torch_device>`` once ``adapter`` is imported; kernels: see ``_kernels``."""
 
     device_kind = "npu"
     adapter: ClassVar[str] = ""  # e.g. "torch_npu"
@@ -36,7 +37,11 @@ class TorchAdapterBackend(yirage.Backend):
         if device is None or not device.is_available():
             return yirage.Availability(False, f"{self.adapter} loads but reports no {self.vendor} device")
         count = device.device_count()
-        return yirage.Availability(True, f"{device.get_device_name(0)} ({count} device(s)) via {self.adapter}")
+        note = self.kernels_note(self.settle_path())
+        return yirage.Availability(True, f"{device.get_device_name(0)} ({count} device(s)) via {self.adapter}; {note}")
+
+    def present(self) -> str:
+        return f"{self.adapter} is present"
 
     def device_count(self) -> int:
         return self._module().device_count() if self.availability().ok else 0

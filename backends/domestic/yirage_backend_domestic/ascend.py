@@ -16,6 +16,13 @@ class AscendBackend(TorchAdapterBackend):
     adapter = "torch_npu"
     stack = "torch_npu and the CANN toolkit"
     description = "Ascend NPUs (Atlas 300/800, 910B) via torch_npu and CANN"
+    triton_name = "triton-ascend"
+    triton_install = ("pip install triton-ascend, Huawei's Triton for CANN; or FlagTree's build: "
+                      "pip install flagtree==0.4.0+ascend3.2 from the FlagOS index")
+    triton_backends = ("ascend",)
+    triton_targets = frozenset({"npu"})
+    triton_dists = ("triton-ascend", "flagtree")
+    triton_fp64 = False  # FlagGems' ascend descriptor: fp64_enabled=False
 
 
 @yirage.hookimpl

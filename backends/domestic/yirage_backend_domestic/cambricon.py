@@ -16,6 +16,13 @@ class CambriconBackend(TorchAdapterBackend):
     adapter = "torch_mlu"
     stack = "torch_mlu and the Cambricon Neuware SDK"
     description = "Cambricon MLUs (MLU370, MLU590) via torch_mlu and Neuware"
+    triton_name = "Cambricon's Triton"
+    triton_install = ("the triton of Cambricon's torch_mlu release, whose backend is triton.backends.mlu; or FlagTree "
+                      "built with FLAGTREE_BACKEND=cambricon from its triton_v3.2.x branch")
+    triton_backends = ("mlu",)
+    triton_targets = frozenset({"mlu"})
+    triton_dists = ("flagtree",)
+    triton_fp64 = False  # FlagGems' cambricon descriptor: fp64_enabled=False
 
 
 @yirage.hookimpl

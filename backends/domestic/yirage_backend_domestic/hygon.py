@@ -18,6 +18,14 @@ class HygonBackend(CudaCompatibleBackend):
     needs_hip = True
     stack = "Hygon's PyTorch build on the DTK (ROCm/HIP) stack"
     description = "Hygon DCUs (Z100, K100) through the DTK HIP stack"
+    triton_name = "a ROCm Triton"
+    triton_install = ("pip install flagtree==0.4.0+hcu3.0 from the FlagOS index (backend triton.backends.hcu), DTK's "
+                      "triton, or a ROCm Triton with its amd backend")
+    triton_backends = ("hcu", "amd")
+    triton_targets = frozenset({"hip"})
+    triton_dists = ("flagtree", "pytorch-triton-rocm")
+    triton_fp64 = True
+    later_step = "running yirage's HIP dialect (hip_build compiles it) on the DCU instead is a later step"
 
 
 @yirage.hookimpl

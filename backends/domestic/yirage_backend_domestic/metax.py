@@ -18,6 +18,14 @@ class MetaXBackend(CudaCompatibleBackend):
     needs_hip = False
     stack = "MetaX's PyTorch build on the MACA software stack"
     description = "MetaX GPUs (C500, N260) through the MACA CUDA-compatible stack"
+    triton_name = "MetaX's Triton"
+    triton_install = ("the triton of MetaX's MACA release (backend triton.backends.metax), or FlagTree built with "
+                      "FLAGTREE_BACKEND=metax")
+    triton_backends = ("metax",)
+    triton_targets = frozenset({"maca"})
+    triton_dists = ("flagtree",)
+    triton_fp64 = True
+    later_step = "compiling yirage's CUDA dialect with MACA's compiler instead is a later step"
 
 
 @yirage.hookimpl

@@ -16,6 +16,13 @@ class MooreBackend(TorchAdapterBackend):
     adapter = "torch_musa"
     stack = "torch_musa and the MUSA toolkit"
     description = "Moore Threads GPUs (MTT S80/S4000) via torch_musa and MUSA"
+    triton_name = "Moore Threads' Triton"
+    triton_install = ("pip install flagtree==0.4.0+mthreads3.1 from the FlagOS index (backend "
+                      "triton.backends.mthreads), or the triton of Moore Threads' MUSA release")
+    triton_backends = ("mthreads", "musa")
+    triton_targets = frozenset({"musa"})
+    triton_dists = ("flagtree",)
+    triton_fp64 = False  # FlagGems' mthreads descriptor: fp64_enabled=False
 
 
 @yirage.hookimpl

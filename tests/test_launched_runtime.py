@@ -1,0 +1,102 @@
+"""The launched PersistentKernel runtime (Triton task kernels, one launch sequence per step) against transformers.
+
+It is the PersistentKernel path of every backend whose kernels are Triton
+(the domestic vendors' forks, ROCm, CUDA). Here it runs under Triton's
+interpreter on CPU tensors, so these tests run only in the ``triton-interpret``
+target (``TRITON_INTERPRET=1``; see the Makefile) and skip elsewhere with the
+reason. Decodes are short (the interpreter runs every program instance in
+Python): 12 tokens, compared per step with transformers' logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+import yirage as yr
+from yirage.engine import GenerationConfig, InferEngine
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("the launched runtime's Triton kernels run here only under TRITON_INTERPRET=1 (make triton-interpret)",
+                allow_module_level=True)
+
+from llm_oracle import assert_decode_matches, zoo_factory  # noqa: E402 - needs transformers
+from test_llm_ablation import ABLATIONS, broken_engine  # noqa: E402
+
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    return zoo_factory(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def backend() -> str:
+    if not yr.is_backend_available("triton"):
+        pytest.skip(f"the triton backend is not available: {yr.get_backend_info('triton')}")
+    return "triton"
+
+
+def short(reference, n: int = NEW):
+    """transformers' reference cut to the first ``n`` tokens (greedy: a prefix of a longer decode)."""
+    return dataclasses.replace(reference, tokens=reference.tokens[:, :n], logits=reference.logits[:, :n])
+
+
+def decode(engine: InferEngine, ids, **kw):
+    return engine.generate(ids, GenerationConfig(max_new_tokens=NEW, eos_token_id=(), output_logits=True, **kw))
+
+
+# every model kind once, and each weight dtype once (the interpreter is slow: the suite stays short)
+@pytest.mark.parametrize("kind, dtype", [("llama-gqa", torch.float32), ("qwen2-bias-tied", torch.bfloat16),
+                                         ("mistral-gqa", torch.float16)], ids=str)
+def test_launched_decode_matches_transformers(zoo, backend, kind, dtype) -> None:
+    model = zoo(kind, dtype)
+    engine = InferEngine(model.path, backend=backend)
+    result = decode(engine, model.reference.ids)
+    assert_decode_matches(short(model.reference), result.tokens, result.logits, label=f"{model.label} on {backend}")
+    fast = engine.generate(model.reference.ids, GenerationConfig(max_new_tokens=NEW, eos_token_id=()))
+    assert fast.tokens.tolist() == model.reference.tokens[:, :NEW].tolist()  # the whole decode in one call
+
+
+@pytest.mark.parametrize("name", ["no-rope", "qkv-bias-dropped"])
+def test_a_broken_decoder_fails_the_comparison(zoo, backend, name, monkeypatch) -> None:
+    kind, dtype, ablate = ABLATIONS[name]
+    model = zoo(kind, dtype)
+    result = decode(broken_engine(model.path, backend, ablate, "decoder", monkeypatch), model.reference.ids)
+    with pytest.raises(AssertionError, match="decode logits differ from transformers"):
+        assert_decode_matches(short(model.reference), result.tokens, result.logits, label=name)
+
+
+def test_sampling_stays_in_the_top_k_and_nucleus_and_follows_the_seed(zoo, backend) -> None:
+    model = zoo("llama-gqa")
+    engine = InferEngine(model.path, backend=backend)
+    temperature, top_k, top_p = 2.0, 20, 0.8
+    result = decode(engine, model.reference.ids, temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
+    for row in range(result.tokens.shape[0]):
+        for step in range(1, result.tokens.shape[1]):
+            scores = result.logits[row, step].double() / temperature
+            order = torch.argsort(scores, descending=True)
+            rank = int((order == int(result.tokens[row, step])).nonzero())
+            assert rank < top_k, f"row {row} step {step}: rank {rank} is outside top_k={top_k}"
+            above = float(torch.softmax(scores[order[:top_k]], 0)[:rank].sum())
+            assert above < top_p + 1e-5, f"row {row} step {step}: {above:.4f} of the mass ranks above the token"
+    again = decode(engine, model.reference.ids, temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
+    other = decode(engine, model.reference.ids, temperature=temperature, top_k=top_k, top_p=top_p, seed=12)
+    assert torch.equal(result.tokens, again.tokens) and not torch.equal(result.tokens, other.tokens)
+
+
+def test_rows_stop_at_eos_and_are_padded(zoo, backend) -> None:
+    model = zoo("llama-gqa")
+    engine = InferEngine(model.path, backend=backend)
+    free = model.reference.tokens[:, :NEW].tolist()
+    stop = free[0][3]
+    result = engine.generate(model.reference.ids, GenerationConfig(max_new_tokens=NEW, eos_token_id=stop))
+    for row, got, length in zip(free, result.tokens.tolist(), result.lengths, strict=True):
+        end = row.index(stop) + 1 if stop in row else NEW
+        assert length == end and got == row[:end] + [stop] * (NEW - end)

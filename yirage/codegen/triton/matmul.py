@@ -1,0 +1,151 @@
+"""Matmul kernels of the Triton renderer: ``tl.dot`` tiles, and a GEMV path for small M.
+
+One launch per matmul, everything fused: A's tile is the prologue expression
+evaluated on the fly; a fused RMSNorm first sums its squares over the row (a
+pass over A) and scales A's rows by ``rsqrt(ss / K + eps)`` before the product,
+as the C-family renderer does (scaling the product instead would turn an
+overflowed sum of squares, scale 0, times an infinite product into NaN where
+torch has 0); the epilogue reads ``$acc`` (``$scale`` is 1).
+
+- **dot** (float32 compute, M >= 16): a ``BLOCK_M x BLOCK_N`` output tile per
+  program, K in ``BLOCK_K`` steps through ``tl.dot(..., input_precision="ieee")``
+  (no TF32: results stay within float32's tolerances). float16/bfloat16
+  operands are widened to float32 as they load.
+- **gemv** (M < 16, where a ``tl.dot`` tile would be mostly padding, and float64
+  or integer compute, which ``tl.dot`` does not take in every Triton 3.x):
+  one output row by ``BLOCK_N`` columns per program, each K step a
+  ``BLOCK_K x BLOCK_N`` product summed over K with ``tl.sum``.
+
+Lanes outside M, N or K are zeros in both operands (``tl.where`` over the masks),
+so padding never reaches a sum.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from yirage.codegen import indexing
+from yirage.codegen.exprs import compute_type
+from yirage.codegen.triton.render import TL_TYPE, next_pow2, warps
+from yirage.compiler.indexing import broadcast_strides
+from yirage.compiler.kernel_ir import Matmul
+
+if TYPE_CHECKING:
+    from yirage.codegen.triton.render import _Renderer
+
+DOT_MIN_M = 16  # tl.dot tiles are at least 16 x 16 x 16
+DOT_MAX = (64, 64, 32)  # largest BLOCK_M, BLOCK_N, BLOCK_K of the dot path
+GEMV_MAX = (64, 128)  # largest BLOCK_K, BLOCK_N of the gemv path
+
+
+def matmul(r: _Renderer, k: Matmul) -> None:
+    """Emit ``k`` in the dot shape where tl.dot fits, else the gemv shape."""
+    ct = compute_type(r.buffers[k.out])
+    if ct == "float32" and k.m >= DOT_MIN_M:
+        _dot(r, k, ct)
+    else:
+        _gemv(r, k, ct)
+
+
+def _batch(r: _Renderer, k: Matmul, qb: str) -> list[str]:
+    bidx = [f"q{i}" for i in range(len(k.batch))]
+    indexing.decompose(r.emit, qb, k.batch, bidx, r.ix, scratch="_q")
+    return bidx
+
+
+def _scale(r: _Renderer, k: Matmul, ct: str, ss: str) -> str:
+    """``rsqrt(ss / K + eps)`` in ``ct``: IEEE division and square root."""
+    if ct == "float32":
+        return f"tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn({ss}, {float(k.k)}) + {r.const(k.eps, ct)}))"
+    return f"1.0 / tl.sqrt({ss} / {float(k.k)} + {r.const(k.eps, ct)})"
+
+
+def _dot(r: _Renderer, k: Matmul, ct: str) -> None:
+    emit = r.emit
+    nb = max(1, math.prod(k.batch))
+    bm = min(DOT_MAX[0], max(16, next_pow2(k.m)))
+    bn = min(DOT_MAX[1], max(16, next_pow2(k.n)))
+    bk = min(DOT_MAX[2], max(16, next_pow2(k.k)))
+    args = list(dict.fromkeys([k.out] + k.reads()))
+    r.kernel(k.name, args, nb, {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, warps(bm * bn // 2),
+             doc=f"{k.out} = epilogue(prologue(A) @ {k.b}): tl.dot tiles", tiles=[(k.m, "BLOCK_M"), (k.n, "BLOCK_N")])
+    emit(f"pid = {r.pid()}")
+    emit(f"pn = pid % tl.cdiv({k.n}, BLOCK_N)")
+    emit(f"rest = pid // tl.cdiv({k.n}, BLOCK_N)")
+    emit(f"pm = rest % tl.cdiv({k.m}, BLOCK_M)")
+    emit(f"qb = rest // tl.cdiv({k.m}, BLOCK_M)")
+    bidx = _batch(r, k, "qb")
+    r.vector("am", "(pm * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]", k.m)
+    r.vector("on", "(pn * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]", k.n)
+    a_load = r.loader(k.a_space, bidx + ["am", "ak"])
+    scaled = ""
+    if k.row_scale is not None:  # a first pass over the rows of A: the RMSNorm scale
+        emit("ss = tl.zeros([BLOCK_M], tl.float32)")
+        with emit.block(f"for ko in range(0, {k.k}, BLOCK_K):"):
+            r.vector("ak", "(ko + tl.arange(0, BLOCK_K))[None, :]", k.k)
+            emit(f"x = tl.where(m_am & m_ak, {r.expr(k.row_scale, a_load, ct)}, 0.0)")
+            emit("ss = ss + tl.sum(x * x, 1)")
+        emit(f"sc = ({_scale(r, k, ct, 'ss')})[:, None]")
+        scaled = " * sc"
+    emit("acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)")
+    b_strides = broadcast_strides(r.buffers[k.b], k.batch + (k.k, k.n))
+    with emit.block(f"for ko in range(0, {k.k}, BLOCK_K):"):
+        r.vector("ak", "(ko + tl.arange(0, BLOCK_K))[None, :]", k.k)
+        r.vector("bk", "(ko + tl.arange(0, BLOCK_K))[:, None]", k.k)
+        emit(f"a = tl.where(m_am & m_ak, ({r.expr(k.a, a_load, ct)}){scaled}, 0.0)")
+        b = r.read(k.b, indexing.offset(bidx + ["bk", "on"], b_strides, r.ix))
+        emit(f"b = tl.where(m_bk & m_on, {b}, 0.0)")
+        emit('acc = tl.dot(a, b, acc, input_precision="ieee")')
+    emit("v_acc = acc")
+    if k.row_scale is not None:
+        emit("v_scale = 1.0  # A's rows are scaled already")
+    load = r.loader(k.space, bidx + ["am", "on"])
+    emit(r.write(k.out, f"(qb * {k.m} + am) * {k.n} + on", r.expr(k.epilogue, load, ct), "m_am & m_on"))
+    r.close()
+
+
+def _gemv(r: _Renderer, k: Matmul, ct: str) -> None:
+    emit = r.emit
+    tt = TL_TYPE[ct]
+    zero = r.const(0, ct)
+    nb = max(1, math.prod(k.batch))
+    bk = min(GEMV_MAX[0], next_pow2(k.k))
+    bn = min(GEMV_MAX[1], next_pow2(k.n))
+    args = list(dict.fromkeys([k.out] + k.reads()))
+    r.kernel(k.name, args, nb * k.m, {"BLOCK_N": bn, "BLOCK_K": bk}, warps(bk * bn // 8),
+             doc=f"{k.out} = epilogue(prologue(A) @ {k.b}): one row by BLOCK_N columns per program",
+             tiles=[(k.n, "BLOCK_N")])
+    emit(f"pid = {r.pid()}")
+    emit(f"pn = pid % tl.cdiv({k.n}, BLOCK_N)")
+    emit(f"row = pid // tl.cdiv({k.n}, BLOCK_N)")
+    emit(f"mm = row % {k.m}")
+    emit(f"qb = row // {k.m}")
+    bidx = _batch(r, k, "qb")
+    r.vector("nn", "pn * BLOCK_N + tl.arange(0, BLOCK_N)", k.n)
+    emit("on = nn[None, :]")
+    r.masks["on"] = "m_nn[None, :]"
+    a_load = r.loader(k.a_space, bidx + ["mm", "ak"])
+    scaled = ""
+    if k.row_scale is not None:  # a first pass over the row of A: the RMSNorm scale
+        emit(f"ss = tl.zeros([BLOCK_K, 1], {tt})")
+        with emit.block(f"for ko in range(0, {k.k}, BLOCK_K):"):
+            r.vector("ak", "(ko + tl.arange(0, BLOCK_K))[:, None]", k.k)
+            emit(f"x = tl.where(m_ak, {r.expr(k.row_scale, a_load, ct)}, {zero})")
+            emit("ss = ss + x * x")
+        emit(f"sc = {_scale(r, k, ct, 'tl.sum(tl.sum(ss, 1), 0)')}")
+        scaled = " * sc"
+    emit(f"acc = tl.zeros([BLOCK_N], {tt})")
+    b_strides = broadcast_strides(r.buffers[k.b], k.batch + (k.k, k.n))
+    with emit.block(f"for ko in range(0, {k.k}, BLOCK_K):"):
+        r.vector("ak", "(ko + tl.arange(0, BLOCK_K))[:, None]", k.k)
+        emit(f"a = tl.where(m_ak, ({r.expr(k.a, a_load, ct)}){scaled}, {zero})")
+        b = r.read(k.b, indexing.offset(bidx + ["ak", "on"], b_strides, r.ix))
+        emit(f"b = tl.where(m_ak & m_nn[None, :], {b}, {zero})")
+        emit("acc = acc + tl.sum(a * b, 0)")
+    emit("v_acc = acc")
+    if k.row_scale is not None:
+        emit("v_scale = 1.0  # A's row is scaled already")
+    load = r.loader(k.space, bidx + ["mm", "nn"])
+    emit(r.write(k.out, f"(qb * {k.m} + mm) * {k.n} + nn", r.expr(k.epilogue, load, ct, "[BLOCK_N]"), "m_nn"))
+    r.close()

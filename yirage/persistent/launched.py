@@ -1,0 +1,248 @@
+"""A PersistentKernel runtime for devices without persistent kernels: each step as launched Triton kernels.
+
+Where a device gives no forward-progress guarantee between thread blocks
+(or its vendor's Triton cannot express a persistent kernel), the task graph
+of a decode step runs as a sequence of launches in layer order on one
+stream: ``begin`` (which rows decode, token ids in range), each layer's task
+kernels (``yirage.persistent.triton_tasks``), ``commit`` and the next
+``begin``. The host reads a small control tensor once per step, so Ctrl-C
+lands between steps (the step in flight is committed). Every tensor lives on
+the program's torch device; the runtime allocates the internal ones there.
+Backends whose torch device runs Triton (CUDA, ROCm, the domestic vendors'
+forks, or Triton's interpreter on CPU tensors) return ``LaunchedRuntime``
+from ``persistent_runtime``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from yirage.errors import NotSupportedError
+from yirage.persistent import shutdown
+from yirage.persistent.cstyle import CTL_ALIVE, CTL_ERR_ROW, CTL_ERR_VALUE, CTL_ERROR, CTL_STEPS
+from yirage.persistent.guard import Snapshot, check_tensor
+from yirage.persistent.layers import Layer, LayerError
+from yirage.persistent.program import PersistentProgram
+from yirage.persistent.specs import FloatCol, IntCol
+
+CTL_SIZE = 8  # + batch: the same slots as the C-family runtimes (yirage.persistent.cstyle)
+Launch = Callable[[], None]
+
+
+def _pow2(n: int, cap: int | None = None) -> int:
+    p = 1 << max(0, int(n) - 1).bit_length()
+    return min(p, cap) if cap else p
+
+
+class LaunchedRuntime:
+    """Runs a frozen PersistentProgram as launched Triton kernels on its tensors' device."""
+
+    def __init__(self, program: PersistentProgram, config: dict[str, int]) -> None:
+        import torch
+
+        self.tasks = importlib.import_module("yirage.persistent.triton_tasks")  # imports triton: only here
+        self.program, self.config = program, config
+        if program.tokens.dtype != torch.int64 or program.step.dtype != torch.int64:
+            raise NotSupportedError("the launched PersistentKernel runtime needs int64 step and tokens tensors")
+        self.device = program.tokens.device
+        self.values: dict[str, Any] = {}
+        for t in program.tensors:
+            if t.attached:
+                value = program.values[t.name]
+            else:
+                value = torch.zeros(t.dims, dtype=getattr(torch, t.dtype), device=self.device)
+            check_tensor(value, f"the launched runtime's tensor {t.name!r}", self.device.type, written=not t.attached)
+            self.values[t.name] = value
+        self.by_index = [self.values[t.name] for t in program.tensors]
+        self.ctl = torch.zeros(CTL_SIZE + program.batch, dtype=torch.int64, device=self.device)
+        self.eos = torch.tensor(list(program.eos_token_ids) or [-1], dtype=torch.int64, device=self.device)
+        self.launches: list[tuple[int, Launch]] = []  # (layer, launch) for one step
+        self.xs = torch.zeros(1, device=self.device)
+        self.scores = torch.zeros(1, device=self.device)
+        plans = [(layer, getattr(self, f"_{layer.kind}", None)) for layer in program.layers]
+        missing = sorted({layer.kind for layer, plan in plans if plan is None})
+        if missing:
+            raise NotSupportedError(f"the launched PersistentKernel runtime has no task kernels for {missing}; add "
+                                    "them to yirage.persistent.triton_tasks and launched.LaunchedRuntime")
+        for layer, plan in plans:
+            for launch in plan(layer):
+                self.launches.append((layer.index, launch))
+        self.snapshot = Snapshot([*self.values.items(), ("step", program.step)])
+        self._stop = False
+
+    # -- descriptor access ------------------------------------------------------------------
+    def _int(self, layer: Layer, column: IntCol) -> int:
+        return self.program.descriptors.int_value(layer.index, column)
+
+    def _float(self, layer: Layer, column: FloatCol) -> float:
+        return self.program.descriptors.float_value(layer.index, column)
+
+    def _arg(self, layer: Layer, role: str) -> Any:
+        return self.by_index[self._int(layer, layer.spec.column(role))]
+
+    def _out(self, layer: Layer) -> Any:
+        return self.by_index[self._int(layer, IntCol.OUTPUT)]
+
+    def _scratch(self, name: str, count: int) -> Any:
+        import torch
+
+        if getattr(self, name).numel() < count:
+            setattr(self, name, torch.zeros(count, device=self.device))
+        return lambda: getattr(self, name)  # read at launch time: a later layer may have grown it
+
+    # -- one layer's launches ----------------------------------------------------------------
+    def _embed(self, layer: Layer) -> list[Launch]:
+        p, k = self.program, self.tasks
+        n = self._int(layer, IntCol.N)
+        out, w, tokens, step = self._out(layer), self._arg(layer, "weight"), p.tokens, p.step
+        block = _pow2(n, 1024)
+        grid = (p.batch, -(-n // block))
+        return [lambda: k.y_embed[grid](out, tokens, step, w, n, tokens.shape[1], w.shape[0], block)]
+
+    def _gemv(self, layer: Layer, x: Callable[[], Any], k_dim: int, w: Any, bias: Any, res: Any) -> Launch:
+        b = self.program.batch
+        n = self._int(layer, IntCol.N)
+        out = self._out(layer)
+        bn, bk = _pow2(n, 64), _pow2(k_dim, 128)
+        grid = (-(-n // bn),)
+        return lambda: self.tasks.y_gemv[grid](out, x(), w, out if bias is None else bias, out if res is None else res,
+                                               n, k_dim, b, _pow2(b), bias is not None, res is not None, bn, bk)
+
+    def _rmsnorm_linear(self, layer: Layer) -> list[Launch]:
+        b, k_dim = self.program.batch, self._int(layer, IntCol.K)
+        xs = self._scratch("xs", b * k_dim)
+        x, gamma, eps = self._arg(layer, "input"), self._arg(layer, "weight_norm"), self._float(layer, FloatCol.EPS)
+        bias = self._arg(layer, "bias") if self._int(layer, layer.spec.column("bias")) >= 0 else None
+        bk = _pow2(k_dim, 1024)
+        return [lambda: self.tasks.y_rmsnorm[(b,)](xs(), x, gamma, eps, k_dim, bk),
+                self._gemv(layer, xs, k_dim, self._arg(layer, "weight_linear"), bias, None)]
+
+    def _linear_with_residual(self, layer: Layer) -> list[Launch]:
+        x = self._arg(layer, "input")
+        return [self._gemv(layer, lambda: x, self._int(layer, IntCol.K), self._arg(layer, "weight"), None,
+                           self._arg(layer, "residual"))]
+
+    def _silu_mul_linear_with_residual(self, layer: Layer) -> list[Launch]:
+        b, k_dim = self.program.batch, self._int(layer, IntCol.K)
+        xs = self._scratch("xs", b * k_dim)
+        gu = self._arg(layer, "input")
+        block = _pow2(k_dim, 1024)
+        grid = (b, -(-k_dim // block))
+        return [lambda: self.tasks.y_silu_mul[grid](xs(), gu, k_dim, block),
+                self._gemv(layer, xs, k_dim, self._arg(layer, "weight"), None, self._arg(layer, "residual"))]
+
+    def _attention(self, layer: Layer) -> list[Launch]:
+        p, k = self.program, self.tasks
+        kv, group, d = (self._int(layer, c) for c in (IntCol.KV_HEADS, IntCol.GROUP, IntCol.HEAD_DIM))
+        seq = self._int(layer, IntCol.CACHE_SEQ)
+        out, qkv = self._out(layer), self._arg(layer, "input")
+        kc, vc, cos, sin = (self._arg(layer, r) for r in ("k_cache", "v_cache", "cos", "sin"))
+        bd, bs = _pow2(d), _pow2(seq, 64)
+        scale = 1.0 / d**0.5
+        return [lambda: k.y_kv_store[(p.batch, kv)](kc, vc, qkv, p.step, cos, sin, kv, group, d, seq, bd),
+                lambda: k.y_attention[(p.batch, kv * group)](out, qkv, kc, vc, p.step, cos, sin, scale, kv, group,
+                                                              d, seq, bd, bs)]
+
+    def _argmax(self, layer: Layer) -> list[Launch]:
+        out, x = self._out(layer), self._arg(layer, "input")
+        vocab = self._int(layer, IntCol.K)
+        return [lambda: self.tasks.y_argmax[(self.program.batch,)](out, x, vocab, _pow2(vocab, 1024))]
+
+    def _sample(self, layer: Layer) -> list[Launch]:
+        p = self.program
+        out, x = self._out(layer), self._arg(layer, "input")
+        vocab = self._int(layer, IntCol.K)
+        scores = self._scratch("scores", p.batch * vocab)
+        inv_t = 1.0 / self._float(layer, FloatCol.TEMPERATURE)
+        top_p, top_k = self._float(layer, FloatCol.TOP_P), self._int(layer, IntCol.TOP_K)
+        seed = self._int(layer, IntCol.SEED)
+        top_k = top_k if 0 < top_k < vocab else 0
+        bv = _pow2(vocab, 1024)
+        return [*self._argmax(layer),  # what a row with nothing to draw from picks
+                lambda: self.tasks.y_sample[(p.batch,)](out, scores(), x, p.step, inv_t, top_p, seed, vocab, bv,
+                                                        top_k, top_p < 1.0)]
+
+    # -- running ---------------------------------------------------------------------------------
+    def _begin(self) -> None:
+        p = self.program
+        vocab = p.vocab if p.vocab is not None else 2**62
+        self.tasks.y_begin[(1,)](self.ctl, p.tokens, p.step, self.eos, p.batch, _pow2(p.batch), p.tokens.shape[1],
+                                 p.max_seq_length, vocab, len(p.eos_token_ids))
+
+    def _commit(self) -> None:
+        p = self.program
+        self.tasks.y_commit[(1,)](p.tokens, p.step, self.ctl, self.by_index[p.pick_id], p.batch, _pow2(p.batch),
+                                  p.tokens.shape[1])
+
+    def _profiled(self) -> None:
+        """One step's launches, each layer timed on the host after a device sync (start/end ns per task)."""
+        import time
+
+        import torch
+
+        def sync() -> None:
+            if self.device.type != "cpu":
+                torch.accelerator.synchronize(self.device)
+
+        spans: dict[int, tuple[int, int]] = {}
+        sync()
+        origin = time.perf_counter_ns()
+        for layer, launch in self.launches:
+            start = time.perf_counter_ns() - origin
+            launch()
+            sync()
+            end = time.perf_counter_ns() - origin
+            lo, _ = spans.get(layer, (start, end))
+            spans[layer] = (lo, end)
+        out = self.program.profiler_tensor.view(-1)
+        graph = self.program.task_graph
+        for task in range(min(graph.num_tasks, out.numel() // 3)):
+            lo, hi = spans[graph.task_layer[task]]
+            out[3 * task], out[3 * task + 1], out[3 * task + 2] = lo, hi, 0  # one stream: one "worker"
+
+    def value(self, name: str) -> Any:
+        return self.values[name]
+
+    def stop(self) -> None:
+        """Ask the decode in flight to stop after its current step (the exit hook calls it)."""
+        self._stop = True
+
+    def run(self, max_new_tokens: int | None = None) -> int:
+        """Decode (see PersistentKernel.__call__); the kernel's lock serializes calls."""
+        program = self.program
+        self.snapshot.verify()
+        limit = program.max_seq_length if max_new_tokens is None else int(max_new_tokens)
+        self._stop = False
+        self.ctl.zero_()
+        steps = 0
+        with shutdown.decoding(self):
+            self._begin()
+            ctl = self.ctl.tolist()  # the one host read of a step (a sync on an accelerator)
+            while steps < limit and not self._stop:
+                if ctl[CTL_ERROR]:
+                    row, tok = ctl[CTL_ERR_ROW], ctl[CTL_ERR_VALUE]
+                    raise LayerError(
+                        f"tokens[{row}, step[{row}]] = {tok} is not a row of the embed table; decoding stopped "
+                        "before reading it (tokens/step hold the steps completed). Keep token ids within the "
+                        "embed table (the picker's logits must not be wider than it)")
+                if ctl[CTL_ALIVE] == 0:
+                    break
+                if steps == 0 and program.profiler_tensor is not None:
+                    self._profiled()
+                else:
+                    for _, launch in self.launches:
+                        launch()
+                self._commit()
+                self._begin()
+                ctl = self.ctl.tolist()
+                steps += 1
+        if self._stop:
+            shutdown.check_not_stopped()
+        if steps and ctl[CTL_STEPS] != steps:
+            raise AssertionError(f"the device counted {ctl[CTL_STEPS]} steps, the host {steps}")  # a runtime bug
+        return steps
+
+
+__all__ = ["LaunchedRuntime"]
