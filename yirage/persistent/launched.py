@@ -6,7 +6,9 @@ of a decode step runs as a sequence of launches in layer order on one
 stream: ``begin`` (which rows decode, token ids in range), each layer's task
 kernels (``yirage.persistent.triton_tasks``), ``commit`` and the next
 ``begin``. The host reads a small control tensor once per step, so Ctrl-C
-lands between steps (the step in flight is committed). Every tensor lives on
+lands between steps (the step in flight is committed). Where torch has a
+graph API for the device (CUDA graphs, torch_npu's NPU graphs...), the step
+is captured once and replayed (``StepGraph``). Every tensor lives on
 the program's torch device; the runtime allocates the internal ones there.
 Backends whose torch device runs Triton (CUDA, ROCm, the domestic vendors'
 forks, or Triton's interpreter on CPU tensors) return ``LaunchedRuntime``
@@ -34,6 +36,36 @@ Launch = Callable[[], None]
 def _pow2(n: int, cap: int | None = None) -> int:
     p = 1 << max(0, int(n) - 1).bit_length()
     return min(p, cap) if cap else p
+
+
+class StepGraph:
+    """One decode step recorded with the device's graph API (torch.cuda.CUDAGraph, torch_npu's NPUGraph, ...).
+
+    Every launch of a step has fixed arguments (tensors, shapes, the control buffer): the step is the same
+    work each time, so it is captured once, after the first step has run eagerly (which compiles the Triton
+    kernels), and replayed: one graph launch per step instead of a few per layer.
+    """
+
+    CLASSES = ("CUDAGraph", "NPUGraph", "MUSAGraph", "MLUGraph")
+
+    def __init__(self, module: Any, cls: Any, step: Callable[[], None]) -> None:
+        self.graph = cls()
+        with module.graph(self.graph):
+            step()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+    @classmethod
+    def for_device(cls, device: Any) -> Callable[[Callable[[], None]], StepGraph] | None:
+        """A capture function for ``device`` if torch's module for it has a graph API, else None."""
+        import torch
+
+        module = None if device.type == "cpu" else getattr(torch, device.type, None)
+        graph_cls = next((getattr(module, n) for n in cls.CLASSES if hasattr(module, n)), None)
+        if graph_cls is None or not callable(getattr(module, "graph", None)):
+            return None
+        return lambda step: cls(module, graph_cls, step)
 
 
 class LaunchedRuntime:
@@ -71,6 +103,9 @@ class LaunchedRuntime:
                 self.launches.append((layer.index, launch))
         self.snapshot = Snapshot([*self.values.items(), ("step", program.step)])
         self._stop = False
+        #: how a step is recorded for replay on this device (None: launched every time); see StepGraph
+        self.capture: Callable[[Callable[[], None]], Any] | None = StepGraph.for_device(self.device)
+        self._graph: Any = None
 
     # -- descriptor access ------------------------------------------------------------------
     def _int(self, layer: Layer, column: IntCol) -> int:
@@ -202,6 +237,13 @@ class LaunchedRuntime:
             lo, hi = spans[graph.task_layer[task]]
             out[3 * task], out[3 * task + 1], out[3 * task + 2] = lo, hi, 0  # one stream: one "worker"
 
+    def _step(self) -> None:
+        """One decode step's launches: the layers, commit, and the next step's begin."""
+        for _, launch in self.launches:
+            launch()
+        self._commit()
+        self._begin()
+
     def value(self, name: str) -> Any:
         return self.values[name]
 
@@ -231,11 +273,14 @@ class LaunchedRuntime:
                     break
                 if steps == 0 and program.profiler_tensor is not None:
                     self._profiled()
+                    self._commit()
+                    self._begin()
+                elif self._graph is not None:
+                    self._graph.replay()
                 else:
-                    for _, launch in self.launches:
-                        launch()
-                self._commit()
-                self._begin()
+                    self._step()
+                    if self.capture is not None:  # the kernels are compiled now: record the step once
+                        self._graph = self.capture(self._step)
                 ctl = self.ctl.tolist()
                 steps += 1
         if self._stop:
