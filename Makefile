@@ -17,8 +17,11 @@ demo: setup
 lint: setup
 	$(PY) -m ruff check yirage backends tools tests examples
 
+# The conformance kit is independent case by case and bound by compiling (numba, PoCL): two workers on the
+# two cores (pytest-xdist); everything else runs in one process (decode tests spin threads and time Ctrl-C).
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 tests/test_conformance.py
+	$(PY) -m pytest --ignore=tests/test_conformance.py
 	$(MAKE) triton-interpret
 
 # The conformance kit on the triton backend in Triton's interpreter (numpy on CPU tensors; TRITON_INTERPRET=1
@@ -27,7 +30,7 @@ test: lint
 TRITON_KIT_CACHE := build/triton-kit-cache
 triton-interpret: setup
 	rm -rf $(TRITON_KIT_CACHE)
-	TRITON_INTERPRET=1 YIRAGE_CACHE_DIR=$(abspath $(TRITON_KIT_CACHE)) $(PY) -m pytest -q --yirage-backend triton \
+	TRITON_INTERPRET=1 YIRAGE_CACHE_DIR=$(abspath $(TRITON_KIT_CACHE)) $(PY) -m pytest -q -n 2 --yirage-backend triton \
 		tests/test_conformance.py tests/test_kit_oracle.py tests/test_kit_random_graphs.py
 	TRITON_INTERPRET=1 YIRAGE_TRITON_AOT_CACHE=$(abspath $(TRITON_KIT_CACHE)) $(PY) -m pytest -q -rs \
 		tests/test_triton_render.py tests/test_triton_aot.py tests/test_launched_runtime.py

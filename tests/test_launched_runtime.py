@@ -78,6 +78,7 @@ def test_sampling_stays_in_the_top_k_and_nucleus_and_follows_the_seed(zoo, backe
     engine = InferEngine(model.path, backend=backend)
     temperature, top_k, top_p = 2.0, 20, 0.8
     result = decode(engine, model.reference.ids, temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
+    # (12 steps x 2 rows checked below; the seed checks use 6-token decodes: the interpreter is slow)
     for row in range(result.tokens.shape[0]):
         for step in range(1, result.tokens.shape[1]):
             scores = result.logits[row, step].double() / temperature
@@ -86,9 +87,11 @@ def test_sampling_stays_in_the_top_k_and_nucleus_and_follows_the_seed(zoo, backe
             assert rank < top_k, f"row {row} step {step}: rank {rank} is outside top_k={top_k}"
             above = float(torch.softmax(scores[order[:top_k]], 0)[:rank].sum())
             assert above < top_p + 1e-5, f"row {row} step {step}: {above:.4f} of the mass ranks above the token"
-    again = decode(engine, model.reference.ids, temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
-    other = decode(engine, model.reference.ids, temperature=temperature, top_k=top_k, top_p=top_p, seed=12)
-    assert torch.equal(result.tokens, again.tokens) and not torch.equal(result.tokens, other.tokens)
+    hot = GenerationConfig(max_new_tokens=6, eos_token_id=(), temperature=temperature, top_k=top_k, top_p=top_p,
+                           seed=11)
+    again = engine.generate(model.reference.ids, hot).tokens
+    other = engine.generate(model.reference.ids, dataclasses.replace(hot, seed=12)).tokens
+    assert torch.equal(result.tokens[:, :6], again) and not torch.equal(again, other)
 
 
 def test_rows_stop_at_eos_and_are_padded(zoo, backend) -> None:

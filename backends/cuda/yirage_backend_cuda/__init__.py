@@ -11,6 +11,9 @@ for sm_80 and sm_90) and launched on torch CUDA tensors through the driver API
 call path). Large float matmuls run as torch's cuBLAS GEMM between the renderer's
 prologue and epilogue kernels, which keep the fused RMSNorm, bias, residual and
 activation (``gemm.py``).
+Per kernel class, kernels may run as Triton instead (``YIRAGE_CUDA_KERNELS``,
+``CUDABackend.kernel_languages``; ``languages.py`` and ``mixed.py``): both
+renderings go into one cache entry and one launcher runs the plan in order.
 ``compile_check`` (any sources) and ``check_conformance`` (every plan of the
 conformance kit) are the compile-only entry points for CI and backend_manager.
 """
@@ -18,6 +21,7 @@ conformance kit) are the compile-only entry points for CI and backend_manager.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +29,11 @@ import yirage
 from yirage.backend.probes import TorchCudaFacts, TorchDevice, torch_cuda_facts, torch_cuda_memory
 from yirage.compiler.cache import write_private
 from yirage_backend_cuda.check import DEFAULT_ARCHS, CheckFailure, CheckReport, check_conformance, compile_check
+from yirage_backend_cuda.languages import KernelLanguageError, choose, from_env, parse_kernel_languages
 from yirage_backend_cuda.nvrtc import BUILD_OPTIONS, CompileError, ToolchainError, compile_cuda, toolchain
 
-__all__ = ["BUILD_OPTIONS", "CUDABackend", "CheckFailure", "CheckReport", "CompileError", "ToolchainError",
-           "capturable", "check_conformance", "compile_check"]
+__all__ = ["BUILD_OPTIONS", "CUDABackend", "CheckFailure", "CheckReport", "CompileError", "KernelLanguageError",
+           "ToolchainError", "capturable", "check_conformance", "compile_check"]
 
 YIRAGE_PLUGIN_API = 1
 
@@ -127,12 +132,36 @@ class CUDABackend(yirage.Backend):
     def memory_info(self, index: int = 0) -> yirage.MemoryInfo:
         return torch_cuda_memory(self._devices()[index].index)
 
+    # -- kernel languages ----------------------------------------------------
+    _kernel_languages: dict[str, str] | None = None
+
+    @property
+    def kernel_languages(self) -> dict[str, str]:
+        """The language ("cuda" or "triton") of each plan kernel class: as set here, else ``YIRAGE_CUDA_KERNELS``.
+
+        Assign ``"triton"``, ``"matmul=triton,row=cuda"`` or a ``{class: language}`` mapping (missing classes
+        stay "cuda"); assign None to follow the environment again. Read when a plan is rendered.
+        """
+        return dict(self._kernel_languages) if self._kernel_languages is not None else from_env()
+
+    @kernel_languages.setter
+    def kernel_languages(self, value: str | Mapping[str, str] | None) -> None:
+        self._kernel_languages = (None if value is None
+                                  else parse_kernel_languages(value, "CUDABackend.kernel_languages"))
+
+    def languages_for(self, plan: Any) -> dict[str, str]:
+        """The language of each of ``plan``'s kernels (by name): where a superoptimizer decides per plan."""
+        return choose(plan, self.kernel_languages)
+
     # -- compile stages ------------------------------------------------------
     def render(self, plan: Any) -> str:
-        """The plan's kernels as CUDA C (the core's C-family renderer, CUDA dialect) under a launch-metadata line."""
+        """The plan's kernels as CUDA C (the core's C-family renderer, CUDA dialect) under a launch-metadata line.
+
+        Kernels set to Triton (``kernel_languages``) are rendered by the Triton renderer into the same source.
+        """
         from yirage_backend_cuda.launch import render_source
 
-        return render_source(plan)
+        return render_source(plan, self.languages_for(plan))
 
     def target(self) -> str:
         """The load device's arch (``"sm_86"``) where an NVIDIA GPU exists, else the compile-check archs."""
@@ -147,16 +176,22 @@ class CUDABackend(yirage.Backend):
         return f"{super().fingerprint()}:{toolchain().fingerprint()}:{' '.join(BUILD_OPTIONS)}"
 
     def build(self, source: str, workdir: Path) -> list[Path]:
-        """``kernels.cu`` (the source with its launch metadata) and one ``kernels.<arch>.cubin`` per target arch.
+        """``kernels.cu`` (the source with its launch metadata) and one ``kernels.<arch>.cubin`` per target arch,
+        and ``kernels.py`` when kernels run as Triton (Triton compiles it on first launch).
 
         Any NVRTC error or warning raises CompileError before anything is written.
         """
-        from yirage_backend_cuda.launch import SOURCE_NAME
+        from yirage_backend_cuda.launch import META_PREFIX, SOURCE_NAME
+        from yirage_backend_cuda.mixed import TRITON_SOURCE_NAME, split_source
 
+        source, triton = split_source(source, META_PREFIX)
         cubins = {arch: compile_cuda(source, arch, name=SOURCE_NAME, options=BUILD_OPTIONS).cubin
                   for arch in self.target().split(",")}
         paths = [workdir / SOURCE_NAME]
         write_private(paths[0], source)
+        if triton:
+            paths.append(workdir / TRITON_SOURCE_NAME)
+            write_private(paths[-1], triton)
         for arch, cubin in cubins.items():
             paths.append(workdir / f"kernels.{arch}.cubin")
             write_private(paths[-1], cubin)

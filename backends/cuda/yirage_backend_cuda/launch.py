@@ -17,6 +17,15 @@ with ``cuMemsetD8Async`` and runs the rendered steps in order on torch's current
 stream: kernels through ``cuLaunchKernel``, the renderer's ``Gemm`` steps (large
 matmuls) as ``torch.matmul`` (``gemm.py``; or their IEEE fallback kernel).
 
+Kernels set to run as Triton (``languages.py``) are steps too: ``TritonStep``
+launches (``mixed.TritonRunner``, over the entry's ``kernels.py``) on torch's
+current stream, in plan order between the CUDA launches, on the same
+outputs and temporaries; their scratch (named ``triton:...``) is allocated and
+zeroed like the CUDA scratch, and their status flags are read the same way, so
+both languages raise the same errors in both call modes. Triton compiles and
+loads a kernel on its first launch: make one call before capturing a graph
+(torch's own rule for warm-up), after which its launches are capturable.
+
 Lifetimes: ``tensors`` holds every tensor a kernel reads or writes until the
 last launch is enqueued. That is enough because torch's caching allocator is
 stream-ordered: a block freed after the call is handed out again only to an
@@ -54,7 +63,7 @@ import ctypes
 import json
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -65,6 +74,8 @@ from yirage.compiler.stages import Artifact
 from yirage.errors import YirageError
 from yirage_backend_cuda.driver import CudaModule, LaunchError, call
 from yirage_backend_cuda.gemm import gemm_from_json, run_gemm, use_cublas
+from yirage_backend_cuda.languages import TritonStep
+from yirage_backend_cuda.mixed import TRITON_SOURCE_NAME, TritonRunner, triton_step_from_json
 
 SOURCE_NAME = "kernels.cu"
 META_PREFIX = "// yirage-launch: "
@@ -84,20 +95,40 @@ class PlanMeta:
     outputs: tuple[str, ...]
     launches: tuple[Launch, ...]  # every kernel of the source
     scratch: tuple[Scratch, ...]
-    steps: tuple[Launch | Gemm, ...]  # what a call runs, in order (a Gemm's fallback kernel is not a step)
+    steps: tuple[Launch | Gemm | TritonStep, ...]  # what a call runs, in order (a Gemm's fallback is not a step)
+    triton: tuple[TritonStep, ...] = ()  # kernels run as Triton (``languages.py``): their module is kernels.py
 
 
-def render_source(plan: KernelPlan) -> str:
-    """Stage 1: the plan's CUDA C behind one JSON comment line saying how to launch it."""
-    rendered = render(plan, DIALECT)
-    meta = {
+def _meta_dict(plan: KernelPlan, launches: Sequence[Launch], scratch: Sequence[Scratch],
+               steps: Sequence[Launch | Gemm | TritonStep]) -> dict[str, Any]:
+    def step(x: Launch | Gemm | TritonStep) -> dict[str, Any]:
+        if isinstance(x, Gemm):
+            return {"gemm": asdict(x)}
+        return {"triton": x.kernel} if isinstance(x, TritonStep) else {"kernel": x.kernel}
+
+    return {
         "inputs": [[n, plan.buffers[n].index, plan.buffers[n].dtype.name] for n in plan.inputs],
         "buffers": [[b.name, list(b.dims), b.dtype.name, b.role] for b in plan.buffers.values() if b.role != "input"],
         "outputs": list(plan.outputs),
-        "launches": [asdict(x) for x in rendered.launches],
-        "scratch": [asdict(s) for s in rendered.scratch],
-        "steps": [{"gemm": asdict(x)} if isinstance(x, Gemm) else {"kernel": x.kernel} for x in rendered.steps],
+        "launches": [asdict(x) for x in launches],
+        "scratch": [asdict(s) for s in scratch],
+        "steps": [step(x) for x in steps],
     }
+
+
+def render_source(plan: KernelPlan, languages: Mapping[str, str] | None = None) -> str:
+    """Stage 1: the plan's CUDA C behind one JSON comment line saying how to launch it.
+
+    ``languages`` (plan kernel name -> "cuda" or "triton", ``languages.choose``): when any kernel is "triton",
+    the source also holds the Triton module and the metadata of its launches (``mixed.render_mixed``).
+    """
+    if languages and "triton" in {languages.get(k.name, "cuda") for k in plan.kernels}:
+        from yirage_backend_cuda.mixed import render_mixed
+
+        choice = {k.name: languages.get(k.name, "cuda") for k in plan.kernels}
+        return render_mixed(plan, choice, lambda *parts: _meta_dict(plan, *parts), META_PREFIX)
+    rendered = render(plan, DIALECT)
+    meta = _meta_dict(plan, rendered.launches, rendered.scratch, rendered.steps)
     return META_PREFIX + json.dumps(meta, separators=(",", ":")) + "\n" + rendered.source
 
 
@@ -117,9 +148,12 @@ def read_meta(source: str, where: str) -> PlanMeta:
                                   Check(**x["check"]) if x["check"] else None) for x in m["launches"]),
             scratch=tuple(Scratch(s["name"], int(s["count"]), s["dtype"]) for s in m["scratch"]),
             steps=(),
+            triton=tuple(triton_step_from_json(x) for x in m.get("triton", ())),
         )
         by_name = {x.kernel: x for x in meta.launches}
-        steps = tuple(gemm_from_json(x["gemm"]) if "gemm" in x else by_name[x["kernel"]] for x in m["steps"])
+        by_triton = {x.kernel: x for x in meta.triton}
+        steps = tuple(gemm_from_json(x["gemm"]) if "gemm" in x else by_triton[x["triton"]] if "triton" in x
+                      else by_name[x["kernel"]] for x in m["steps"])
         return replace(meta, steps=steps)
     except (ValueError, KeyError, TypeError) as exc:
         raise MetaError(f"the launch metadata of {where} is malformed ({type(exc).__name__}: {exc}); {fix}") from exc
@@ -149,8 +183,16 @@ def load(artifact: Artifact, device_index: int) -> PlanLauncher:
         if launcher is None or artifact.rebuilt:
             major, minor = torch.cuda.get_device_capability(device_index)
             meta, cubin = open_entry(artifact, f"sm_{major}{minor}")
-            launcher = PlanLauncher(meta, CudaModule(cubin, device_index), torch.device("cuda", device_index),
-                                    lambda: torch.cuda.current_stream(device_index).cuda_stream)
+            device = torch.device("cuda", device_index)
+            triton = None
+            if meta.triton:
+                if TRITON_SOURCE_NAME not in artifact.files:
+                    raise LaunchError(f"the compile-cache entry {artifact.directory} runs kernels as Triton but holds "
+                                      f"no {TRITON_SOURCE_NAME}: delete it so it is rebuilt")
+                triton = TritonRunner(artifact.directory / TRITON_SOURCE_NAME, artifact.key, device,
+                                      [x.kernel for x in meta.triton]).launch
+            launcher = PlanLauncher(meta, CudaModule(cubin, device_index), device,
+                                    lambda: torch.cuda.current_stream(device_index).cuda_stream, triton)
             _LAUNCHERS[(artifact.key, device_index)] = launcher
         return launcher
 
@@ -165,13 +207,19 @@ class PlanLauncher:
     """``run(inputs) -> outputs`` for one plan on one device; see the module docstring for both call modes.
 
     ``module`` is a loaded ``CudaModule`` (its ``driver`` makes every device call), ``device`` the torch
-    device it is on, ``stream()`` the handle of torch's current stream there.
+    device it is on, ``stream()`` the handle of torch's current stream there. ``triton(step, tensors)``
+    launches a Triton step on that stream (``mixed.TritonRunner.launch``); needed when the plan has any.
     """
 
-    def __init__(self, meta: PlanMeta, module: CudaModule, device: Any, stream: Callable[[], int]) -> None:
+    def __init__(self, meta: PlanMeta, module: CudaModule, device: Any, stream: Callable[[], int],
+                 triton: Callable[[TritonStep, list[Any]], None] | None = None) -> None:
         import torch
 
         self.meta, self.module, self.device, self._stream = meta, module, device, stream
+        if meta.triton and triton is None:
+            raise LaunchError(f"the plan runs kernels {[x.kernel for x in meta.triton]} as Triton, but the launcher "
+                              "was given no Triton runner: load it through the cuda backend (launch.load)")
+        self._triton = triton
         self._driver = module.driver
         self._inputs = [(n, i, getattr(torch, d)) for n, i, d in meta.inputs]
         self._n_inputs = len(meta.inputs)
@@ -182,7 +230,7 @@ class PlanLauncher:
             else:  # temporaries are kept at compute type, flat
                 compute = "float32" if dtype in ("float16", "bfloat16") else dtype
                 self._allocs.append((name, (max(1, math.prod(dims)),), getattr(torch, compute), False))
-        self._checks = [x.check for x in meta.launches if x.check is not None]
+        self._checks = [x.check for x in meta.launches + meta.triton if x.check is not None]
         status_names = {c.status for c in self._checks}
         self._allocs += [(s.name, (s.count,), getattr(torch, s.dtype), True) for s in meta.scratch
                          if s.name not in status_names]
@@ -211,9 +259,14 @@ class PlanLauncher:
         meta = self.meta
         dtypes = {n: d for n, _, d in self._inputs}
         dtypes.update({n: d for n, _, d, _ in self._allocs})
+        dtypes.update(self._status_dtypes)
         bad = []
         for step in meta.steps:
-            if isinstance(step, Gemm):
+            if isinstance(step, TritonStep):
+                kernels = []
+                bad += [f"Triton kernel {step.kernel}: {a} is not a buffer of the plan" for a in step.args
+                        if a not in dtypes]
+            elif isinstance(step, Gemm):
                 kernels = [step.fallback] + ([step.epilogue] if step.epilogue else [])
                 want = getattr(torch, step.dtype) if step.dtype in ("float32", "float64") else None
                 bad += [f"GEMM {step.name}: buffer {n} is {dtypes.get(n, 'not a buffer of the plan')}, not "
@@ -262,6 +315,10 @@ class PlanLauncher:
                     self._memset(tensors[name], stream)
             skipped = set()  # epilogue kernels of GEMMs whose fallback ran
             for step in self.meta.steps:
+                if isinstance(step, TritonStep):  # on torch's current stream too, in plan order
+                    assert self._triton is not None  # __init__ refuses a plan with Triton steps and no runner
+                    self._triton(step, [tensors[a] for a in step.args])
+                    continue
                 if isinstance(step, Gemm):
                     if use_cublas(step):  # the product by torch's cuBLAS, on this stream
                         run_gemm(step, tensors)
