@@ -126,3 +126,10 @@ class Snapshot:
             if t.numel() and t.untyped_storage().nbytes() < need:
                 raise LayerError(f"tensor {name!r}: its storage shrank to {t.untyped_storage().nbytes()} bytes, "
                                  f"it needs {need}; " + REBUILD)
+
+
+def token_out_of_range(row: int, token: int) -> LayerError:
+    """What every compiled runtime raises when its decode found a token id outside the embed table."""
+    return LayerError(f"tokens[{row}, step[{row}]] = {token} is not a row of the embed table; decoding stopped "
+                      "before reading it (tokens/step hold the steps completed). Keep token ids within the "
+                      "embed table (the picker's logits must not be wider than it)")

@@ -24,8 +24,8 @@ from typing import Any
 from yirage.errors import NotSupportedError
 from yirage.persistent import shutdown
 from yirage.persistent.cstyle import CTL_ALIVE, CTL_ERR_ROW, CTL_ERR_VALUE, CTL_ERROR, CTL_STEPS
-from yirage.persistent.guard import Snapshot, check_tensor
-from yirage.persistent.layers import Layer, LayerError
+from yirage.persistent.guard import Snapshot, check_tensor, token_out_of_range
+from yirage.persistent.layers import Layer
 from yirage.persistent.program import PersistentProgram
 from yirage.persistent.specs import FloatCol, IntCol
 
@@ -265,10 +265,7 @@ class LaunchedRuntime:
             while steps < limit and not self._stop:
                 if ctl[CTL_ERROR]:
                     row, tok = ctl[CTL_ERR_ROW], ctl[CTL_ERR_VALUE]
-                    raise LayerError(
-                        f"tokens[{row}, step[{row}]] = {tok} is not a row of the embed table; decoding stopped "
-                        "before reading it (tokens/step hold the steps completed). Keep token ids within the "
-                        "embed table (the picker's logits must not be wider than it)")
+                    raise token_out_of_range(row, tok)
                 if ctl[CTL_ALIVE] == 0:
                     break
                 if steps == 0 and program.profiler_tensor is not None:

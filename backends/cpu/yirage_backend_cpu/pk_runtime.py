@@ -31,8 +31,7 @@ from numba import njit, prange
 
 from yirage.errors import NotSupportedError
 from yirage.persistent import shutdown
-from yirage.persistent.guard import Snapshot, check_tensor
-from yirage.persistent.layers import LayerError
+from yirage.persistent.guard import Snapshot, check_tensor, token_out_of_range
 from yirage.persistent.program import PersistentProgram
 from yirage.persistent.specs import FloatCol, IntCol, kind_code
 from yirage_backend_cpu.atomics import atomic_add, atomic_load, atomic_store, cycle_counter
@@ -303,9 +302,7 @@ class CPUPersistentRuntime:
         ns_per_cycle = (time.perf_counter_ns() - wall) / max(1, _cycles() - cycles)
         if self.flags[ERROR] == ERR_TOKEN:
             row, tok = int(self.flags[ERR_ROW]), int(self.flags[ERR_VALUE])
-            raise LayerError(f"tokens[{row}, step[{row}]] = {tok} is not a row of the embed table; decoding stopped "
-                             "before reading it (tokens/step hold the steps completed). Keep token ids within the "
-                             "embed table (the picker's logits must not be wider than it)")
+            raise token_out_of_range(row, tok)
         if self.flags[STOP]:
             shutdown.check_not_stopped()  # stopped by the exit hook: an incomplete result is an error
         if profile.shape[0]:

@@ -48,8 +48,7 @@ from yirage.persistent.cstyle import (
     render_persistent,
     tensor_name,
 )
-from yirage.persistent.guard import Snapshot, check_tensor
-from yirage.persistent.layers import LayerError
+from yirage.persistent.guard import Snapshot, check_tensor, token_out_of_range
 from yirage.persistent.program import PersistentProgram
 from yirage_backend_opencl.compile import BUILD_OPTIONS, OpenCLBuildError, context, device
 
@@ -184,10 +183,7 @@ class OpenCLPersistentRuntime:
                 while steps < limit and not self._stop:
                     if ctl[CTL_ERROR]:
                         row, tok = int(ctl[CTL_ERR_ROW]), int(ctl[CTL_ERR_VALUE])
-                        raise LayerError(
-                            f"tokens[{row}, step[{row}]] = {tok} is not a row of the embed table; decoding stopped "
-                            "before reading it (tokens/step hold the steps completed). Keep token ids within the "
-                            "embed table (the picker's logits must not be wider than it)")
+                        raise token_out_of_range(row, tok)
                     if ctl[CTL_ALIVE] == 0:
                         break
                     events = self._enqueue(self.launches[1:])  # the layers, commit, the next step's begin

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from yirage.codegen import indexing
 from yirage.codegen.cstyle import Check, Scratch
+from yirage.codegen.dialect import FLOAT_ONLY, plan_functions
 from yirage.codegen.emit import Emitter
 from yirage.codegen.exprs import Spelling, UnsupportedExprError, compute_type, spell_expr
 from yirage.codegen.indexing import IndexSyntax
@@ -48,8 +49,6 @@ EMBED_BLOCK_MAX = 1024
 ATTN_SEQ_BLOCK = 64  # cache rows per step of decode attention
 INT32_SAFE = (1 << 31) - 1
 TL_TYPE = {"float32": "tl.float32", "float64": "tl.float64", "int32": "tl.int32", "int64": "tl.int64"}
-#: IR functions with no integer meaning (as in the C-family renderer)
-FLOAT_ONLY = frozenset({"exp", "silu", "sqrt", "rsqrt", "pow", "gelu", "div"})
 COMPUTE_TYPES = frozenset(TL_TYPE)
 
 
@@ -113,29 +112,6 @@ def _has_leaf(e: Expr) -> bool:
     if isinstance(e, (Load, Var)):
         return True
     return isinstance(e, Call) and any(_has_leaf(a) for a in e.args)
-
-
-def plan_functions(plan: KernelPlan) -> dict[str, set[str]]:
-    """Every IR function the plan calls, with the compute types it is called at."""
-    found: dict[str, set[str]] = {}
-
-    def walk(e: Expr | None, ct: str) -> None:
-        if isinstance(e, Call):
-            found.setdefault(e.fn, set()).add(ct)
-            for a in e.args:
-                walk(a, ct)
-
-    for k in plan.kernels:
-        ct = compute_type(plan.buffers[k.out])
-        if isinstance(k, Pointwise):
-            walk(k.expr, ct)
-        elif isinstance(k, Row):
-            for e in [r.expr for r in k.reductions] + [k.out_expr]:
-                walk(e, ct)
-        elif isinstance(k, Matmul):
-            for e2 in (k.a, k.epilogue, k.row_scale):
-                walk(e2, ct)
-    return found
 
 
 def check_supported(plan: KernelPlan) -> None:
