@@ -3,13 +3,17 @@
     .venv/bin/python benchmark/kernel_graphs.py [--quick] [--json] [--workloads w1 w2 w3] [--backends cpu opencl]
 
 Every figure is a median of timed calls (p10/p90 beside it) measured in this run, implementations interleaved
-call by call so drift hits them alike. Ratios are peer median / yirage median: > 1 means yirage is faster;
+turn by turn so drift hits them alike (each turn starts with an untimed call, so no impl is charged for the
+previous one's spinning threads). Ratios are peer median / yirage median: > 1 means yirage is faster;
 ratios within 1.15x either way print as ties. Each implementation's output is checked against torch eager
 before it is timed; one that is wrong (or fails to build) is reported and gets no figure.
 
 --backends defaults to every available backend that compiles a float32 kernel graph (probed by compiling one);
 the reference backend, torch eager op by op, is the eager column already.
 Each backend other than --baseline (default cpu) also gets its ratio against the baseline backend's same impl.
+With opencl in the run, W3 also times the OpenCL runtime's own floor (pyopencl enqueue + finish, no yirage code)
+on each device of the platform; on PoCL, POCL_DEVICES="pthread basic" lists its in-thread device, which the
+opencl backend then uses for small plans (backends/opencl/yirage_backend_opencl/devices.py).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -39,6 +44,7 @@ K = N = 4096
 EPS = 1e-6
 COLD_COPIES = 6  # 6 x 64 MiB weights: each B=1 call streams its weight from DRAM
 STREAM_MIB = 256
+SETTLE = 1  # untimed calls each time the benchmark switches to another impl (see timed)
 W2_SHAPES = ((1, 11008), (64, 11008), (1, 4096), (64, 4096))
 EAGER, COMPILED = "torch eager", "torch.compile"
 SUM_T, SUM_KN = "sum(W) (probe)", "sum(W row-major) (probe)"  # STREAM-like read of the very W copies the impls read
@@ -68,11 +74,14 @@ def percentile(sorted_ns: list[int], q: float) -> float:
     return sorted_ns[min(len(sorted_ns) - 1, round(q * (len(sorted_ns) - 1)))] / 1e3
 
 
-def timed(impls: dict[str, Call], reps: int, warmup: int, inner: int = 1
+def timed(impls: dict[str, Call], reps: int, warmup: int, inner: int = 1, settle: int = SETTLE
           ) -> tuple[dict[str, list[int]], dict[str, float]]:
     """Per-call nanoseconds of each impl, and its minor page faults per timed call (counted outside the timed
-    window); one sample = `inner` calls, impls take turns sample by sample. Impl j's call numbers are
-    rep * inner + j + k: with rotated weights every impl visits every copy, and consecutive calls differ."""
+    window); one sample = `inner` calls, impls take turns sample by sample. Each turn starts with `settle`
+    untimed calls: the previous impl's runtime threads (torch's and numba's OpenMP pools, PoCL's workers) spin
+    for a while after its last call and would otherwise be charged to whoever runs next. Impl j's call numbers
+    are rep * (settle + inner) + j + k: with rotated weights every impl visits every copy, and consecutive calls
+    differ."""
     samples: dict[str, list[int]] = {name: [] for name in impls}
     faults = dict.fromkeys(impls, 0.0)
     gc.collect()
@@ -80,7 +89,11 @@ def timed(impls: dict[str, Call], reps: int, warmup: int, inner: int = 1
     try:
         for rep in range(warmup + reps):
             for j, (name, fn) in enumerate(impls.items()):
-                base, before = rep * inner + j, resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                base = rep * (settle + inner) + j
+                for k in range(settle):
+                    fn(base + k)
+                base += settle
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 start = time.perf_counter_ns()
                 for k in range(inner):
                     fn(base + k)
@@ -281,8 +294,34 @@ def bench_w3(reps: int, inner: int, backends: list[str], baseline: str) -> list[
 
     makers = {**yirage_makers(backends, build, pair),
               EAGER: torch_maker(add, pair, compiled=False), COMPILED: torch_maker(add, pair, compiled=True)}
+    probes = opencl_floor_probes() if "opencl" in backends else {}
     return measure("W3 per-call overhead", "add 16+16", makers, p + q, reps, warmup=max(5, reps // 10), inner=inner,
-                   baseline=baseline)
+                   probes=probes, baseline=baseline)
+
+
+def opencl_floor_probes() -> dict[str, Call]:
+    """The OpenCL runtime's own per-call floor on each device of the platform yirage's opencl backend uses:
+    pyopencl enqueue + finish of a 16-element add on buffers made once (no yirage code, no buffer creation)."""
+    import numpy as np
+    import pyopencl as cl
+
+    probes: dict[str, Call] = {}
+    bufs_host = [np.zeros(16, np.float32) for _ in range(3)]
+    for dev in cl.get_platforms()[0].get_devices() if cl.get_platforms() else []:
+        ctx = cl.Context([dev])
+        queue = cl.CommandQueue(ctx)
+        kernel = cl.Program(ctx, "__kernel void add(__global float* o, __global const float* a, "
+                                 "__global const float* b) { size_t i = get_global_id(0); o[i] = a[i] + b[i]; }"
+                            ).build().add
+        bufs = [cl.Buffer(ctx, cl.mem_flags.READ_WRITE | cl.mem_flags.USE_HOST_PTR, hostbuf=h) for h in bufs_host]
+        kernel.set_args(*bufs)
+
+        def call(i: int, queue: Any = queue, kernel: Any = kernel, keep: Any = (bufs, bufs_host)) -> None:
+            cl.enqueue_nd_range_kernel(queue, kernel, (16,), (16,))
+            queue.finish()
+
+        probes[f"pyopencl floor {dev.name.split('-')[0]} (probe)"] = call
+    return probes
 
 
 def config(backends: list[str]) -> dict[str, Any]:
@@ -300,6 +339,7 @@ def config(backends: list[str]) -> dict[str, Any]:
         "numba_threads": numba.get_num_threads(), "numba_config_threads": nconfig.NUMBA_NUM_THREADS,
         "numba_threading_layer": layer, "yirage": yr.__version__, "yirage_git": git_revision(),
         "yirage_backends": {b: yr.get_backend_info(b)["reason"] for b in backends},
+        "POCL_DEVICES": os.environ.get("POCL_DEVICES", "(unset: PoCL's default device only)"),
     }
 
 

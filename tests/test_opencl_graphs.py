@@ -63,12 +63,12 @@ def test_program_and_kernels_are_built_once_per_process() -> None:
     first = graph().compile(backend="opencl")
     second = graph().compile(backend="opencl")  # a new graph object, the same plan
     assert first._run is second._run and isinstance(first._run, clc.OpenCLProgram)
-    kernels = list(first._run.kernels)
+    kernels = list(first._run.kernels.values())
     x = torch.randn(4, 9, generator=torch.Generator().manual_seed(1))
     for _ in range(3):
         (out,) = second([x])
         torch.testing.assert_close(out, torch.softmax(x * x, -1))
-    assert [id(k) for k in second._run.kernels] == [id(k) for k in kernels]
+    assert [id(k) for k in second._run.kernels.values()] == [id(k) for k in kernels]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

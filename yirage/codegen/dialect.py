@@ -62,6 +62,11 @@ class Dialect:
     bits: str = ""  # reinterpret float32 {x} as its uint32 bits ("" = the dialect cannot)
     #: large float matmuls become prologue kernel -> host GEMM (``Gemm`` step: the vendor BLAS) -> epilogue kernel
     host_gemm: bool = False
+    host_gemm_min_m: int = 1  # ... when the product has at least this many rows (M): below it the kernels run
+    #: a GEMV (M = 1) over a row-major B splits K across work-groups of one work-item, each streaming whole rows
+    #: of B into a partial sum, then sums the partials in a second kernel: the right shape on a CPU device, where
+    #: a work-group is one thread's loop (set by a backend for its CPU devices)
+    gemv_split_k: bool = False
 
     @property
     def functions(self) -> frozenset[str]:

@@ -6,7 +6,7 @@ is a plain buffer of the compute type into a prologue kernel (A's expression,
 scaled by a fused RMSNorm), a ``Gemm`` step and an epilogue kernel (bias,
 residual, activation, narrowing to float16/bfloat16) reading the accumulator
 the GEMM wrote (``yirage.codegen.cstyle_matmul``). A call runs the step as
-``torch.matmul(a, b, out=...)`` on torch's current stream: ordered with the
+``torch.matmul(a, b, out=...)`` (``yirage.backend.gemm_steps``) on torch's current stream: ordered with the
 kernels around it, and capturable into a CUDA graph (torch sets cuBLAS up for
 capture; no host sync, no host read). While TF32 is allowed for float32
 matmuls (``torch.backends.cuda.matmul.allow_tf32``) the step's ``fallback``
@@ -17,31 +17,10 @@ The choice is made when the call is enqueued (for a CUDA graph: at capture).
 
 from __future__ import annotations
 
-from typing import Any
-
-from yirage.codegen.cstyle import Gemm
+from yirage.backend.gemm_steps import Gemm, gemm_from_json, run_gemm
 from yirage.codegen.cstyle_matmul import HOST_GEMM_MIN_MNK
 
 __all__ = ["HOST_GEMM_MIN_MNK", "Gemm", "gemm_from_json", "run_gemm", "use_cublas"]
-
-
-def gemm_from_json(data: dict[str, Any]) -> Gemm:
-    """A ``Gemm`` from its launch-metadata form (``dataclasses.asdict``: tuples came back as lists)."""
-    dims = ("a_dims", "a_strides", "b_dims", "b_strides", "out_dims")
-    return Gemm(**{key: tuple(int(x) for x in value) if key in dims else str(value) for key, value in data.items()})
-
-
-def run_gemm(gemm: Gemm, tensors: dict[str, Any]) -> None:
-    """``out = a @ b`` through torch on the buffers of one call, viewed as the plan lays them out.
-
-    ``torch.as_strided`` refuses a view that does not fit the tensor's storage, so no view reaches cuBLAS
-    beyond the memory of its buffer.
-    """
-    import torch
-
-    a = torch.as_strided(tensors[gemm.a], gemm.a_dims, gemm.a_strides)
-    b = torch.as_strided(tensors[gemm.b], gemm.b_dims, gemm.b_strides)
-    torch.matmul(a, b, out=tensors[gemm.out].view(gemm.out_dims))
 
 
 def use_cublas(gemm: Gemm) -> bool:

@@ -17,23 +17,31 @@ blocks in C); its tensors stay referenced until the queue drains.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import json
 import math
-import os
 import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from yirage.backend.gemm_steps import Gemm, gemm_from_json, run_gemm
 from yirage.codegen.cstyle import Check, Launch, Scratch, render
-from yirage.codegen.dialects.opencl import DIALECT
 from yirage.compiler.cache import write_private
 from yirage.compiler.kernel_ir import KernelPlan
 from yirage.compiler.stages import Artifact
-from yirage.errors import BackendError, YirageError
+from yirage.errors import BackendError
+from yirage_backend_opencl.devices import (
+    DeviceSelectionError,
+    context,
+    device,
+    dialect,
+    plan_work,
+    small_device,
+    small_work,
+    target,
+)
 
 SOURCE_NAME = "kernels.cl"
 META_PREFIX = "// yirage-launch: "
@@ -42,56 +50,21 @@ SLICED_AFTER = 0.05  # seconds: calls that took longer last time are waited for 
 WAIT_SLICE = 0.002  # seconds between status checks of such a call (at most ~4% of its time)
 
 
-class DeviceSelectionError(YirageError, ValueError):
-    """``YIRAGE_OPENCL_DEVICE`` names no device."""
-
-
 class OpenCLBuildError(BackendError, RuntimeError):
     """The OpenCL compiler rejected a rendered plan: a renderer bug, not a user error."""
 
 
-@functools.cache
-def device() -> Any:
-    """``YIRAGE_OPENCL_DEVICE=platform:device`` (indices), else the best device (GPU first)."""
-    from yirage_backend_opencl import _devices
-
-    cl = importlib.import_module("pyopencl")
-    wanted = os.environ.get("YIRAGE_OPENCL_DEVICE", "").strip()
-    if not wanted:
-        return _devices()[0][0]
-    try:
-        p, d = (int(x) for x in wanted.split(":"))
-        return cl.get_platforms()[p].get_devices()[d]
-    except (ValueError, IndexError) as exc:
-        listing = "; ".join(f"{i}:{j} {dev.name.strip()}" for i, pl in enumerate(cl.get_platforms())
-                            for j, dev in enumerate(pl.get_devices()))
-        raise DeviceSelectionError(
-            f"YIRAGE_OPENCL_DEVICE={wanted!r} names no OpenCL device ({exc}); set it to platform:device "
-            f"indices, one of: {listing}, or unset it to use the best device") from exc
-
-
-@functools.cache
-def context() -> tuple[Any, Any]:
-    """One context and in-order queue per process, on ``device()``."""
-    cl = importlib.import_module("pyopencl")
-    ctx = cl.Context([device()])
-    return ctx, cl.CommandQueue(ctx)
-
-
-def target() -> str:
-    dev = device()
-    return f"{dev.platform.name.strip()}|{dev.name.strip()}|{dev.driver_version.strip()}"
-
-
 def render_source(plan: KernelPlan) -> str:
-    """Stage 1: the OpenCL C of ``plan`` behind one JSON comment line describing its launch."""
-    rendered = render(plan, DIALECT)
+    """Stage 1: the OpenCL C of ``plan`` (in ``dialect()``) behind one JSON comment line describing its launch."""
+    rendered = render(plan, dialect())
     meta = {
         "inputs": [[n, plan.buffers[n].index, plan.buffers[n].dtype.name] for n in plan.inputs],
         "buffers": [[b.name, list(b.dims), b.dtype.name, b.role] for b in plan.buffers.values() if b.role != "input"],
         "outputs": plan.outputs,
         "launches": [asdict(x) for x in rendered.launches],
+        "steps": [{"gemm": asdict(x)} if isinstance(x, Gemm) else {"kernel": x.kernel} for x in rendered.steps],
         "scratch": [asdict(s) for s in rendered.scratch],
+        "work": plan_work(plan),
     }
     return META_PREFIX + json.dumps(meta, separators=(",", ":")) + "\n" + rendered.source
 
@@ -138,16 +111,21 @@ class OpenCLProgram:
         self.outputs = meta["outputs"]
         self.launches = [Launch(**{**x, "check": Check(**x["check"]) if x["check"] else None})
                          for x in meta["launches"]]
+        by_name = {x.kernel: x for x in self.launches}
+        self.steps: list[Launch | Gemm] = [gemm_from_json(x["gemm"]) if "gemm" in x else by_name[x["kernel"]]
+                                           for x in meta["steps"]]
         self.scratch = [Scratch(**s) for s in meta["scratch"]]
-        self.ctx, self.queue = context()
+        small = small_device()
+        self.device = small if small is not None and meta["work"] <= small_work() else device()
+        self.ctx, self.queue = context(self.device)
         try:
             program = cl.Program(self.ctx, source).build(options=BUILD_OPTIONS)
         except cl.RuntimeError as exc:
             raise OpenCLBuildError(
                 f"the OpenCL compiler rejected the kernels rendered in {where}: {exc}. This is a bug in yirage's "
                 "C-family renderer or the device's compiler; report it with the graph (g.to_json())") from exc
-        self.kernels = [getattr(program, x.kernel) for x in self.launches]
-        self.zero_copy = bool(device().host_unified_memory)
+        self.kernels = {x.kernel: getattr(program, x.kernel) for x in self.launches}
+        self.zero_copy = bool(self.device.host_unified_memory)
         self.lock = threading.Lock()  # cl.Kernel arguments, temporaries and scratch are per-program state
         self.new_outputs = [(n, dims, getattr(torch, d)) for n, dims, d, role in self.buffers if role == "output"]
         # temporaries are kept at compute type; they and the scratch buffers are allocated once
@@ -207,9 +185,13 @@ class OpenCLProgram:
         start = time.perf_counter()
         for name, zero in self.scratch_zeros:  # on the queue: the device may keep its own copy of a buffer
             cl.enqueue_fill_buffer(queue, bufs[name][0], zero, 0, bufs[name][1].nbytes)
-        for kernel, launch in zip(self.kernels, self.launches, strict=True):
-            kernel.set_args(*[bufs[a][0] for a in launch.args])
-            cl.enqueue_nd_range_kernel(queue, kernel, (launch.global_size,), (launch.local,))
+        for step in self.steps:
+            if isinstance(step, Gemm):
+                self._gemm(step, bufs)
+                continue
+            kernel = self.kernels[step.kernel]
+            kernel.set_args(*[bufs[a][0] for a in step.args])
+            cl.enqueue_nd_range_kernel(queue, kernel, (step.global_size,), (step.local,))
         maps = []
         for name in self.synced:
             buf, flat = bufs[name]
@@ -227,6 +209,26 @@ class OpenCLProgram:
             if mapped.ctypes.data != flat.ctypes.data:  # the driver kept its own copy after all
                 flat[...] = mapped
             mapped.base.release(queue)
+
+    def _gemm(self, step: Gemm, bufs: dict[str, tuple[Any, Any]]) -> None:
+        """The host's BLAS (torch) on mapped buffers: no copy where the device uses the host pointers (PoCL).
+
+        The blocking maps wait for the kernels before it; unmapping hands the product back to the device.
+        """
+        import torch
+
+        cl, mf = self.cl, self.cl.map_flags
+        maps: dict[str, Any] = {}
+        try:
+            for name in dict.fromkeys((step.a, step.b, step.out)):
+                _, flat = bufs[name]
+                flags = mf.WRITE_INVALIDATE_REGION if name not in (step.a, step.b) else mf.READ | mf.WRITE
+                maps[name] = cl.enqueue_map_buffer(self.queue, bufs[name][0], flags, 0, flat.shape, flat.dtype,
+                                                   is_blocking=True)[0]
+            run_gemm(step, {name: torch.from_numpy(m) for name, m in maps.items()})
+        finally:
+            for m in maps.values():
+                m.base.release(self.queue)
 
     def _wait_interruptibly(self) -> None:
         """Wait for the queue in short Python-level sleeps (``finish()`` blocks in C, deaf to Ctrl-C)."""
@@ -252,5 +254,5 @@ def compute_type_name(dtype: str) -> str:
     return "float32" if dtype in ("float16", "bfloat16") else dtype
 
 
-__all__ = ["OpenCLBuildError", "OpenCLProgram", "build", "context", "device", "load",
+__all__ = ["DeviceSelectionError", "OpenCLBuildError", "OpenCLProgram", "build", "context", "device", "load",
            "render_source", "target"]

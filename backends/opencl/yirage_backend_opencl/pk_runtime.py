@@ -50,7 +50,8 @@ from yirage.persistent.cstyle import (
 )
 from yirage.persistent.guard import Snapshot, check_tensor, token_out_of_range
 from yirage.persistent.program import PersistentProgram
-from yirage_backend_opencl.compile import BUILD_OPTIONS, OpenCLBuildError, context, device
+from yirage_backend_opencl.compile import BUILD_OPTIONS, OpenCLBuildError
+from yirage_backend_opencl.devices import context, device
 
 LANES = 8  # partial sums per GEMV column on CPU devices (8 measured faster than 16 on PoCL, AVX-512)
 _PROGRAMS: dict[str, Any] = {}  # source -> built cl.Program: one build per process and rendering
