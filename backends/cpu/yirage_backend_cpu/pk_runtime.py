@@ -4,7 +4,8 @@ Per step, ``num_workers + num_local_schedulers`` loop iterations run in a
 ``prange``. Workers claim slots of a task queue (atomic fetch-add), wait for
 the slot to be filled with a ready task, run it, and count its events down;
 the task that completes an event pushes it onto the event queue. Schedulers
-claim event slots and push the tasks the event releases. A scheduler runs
+claim event slots and push the tasks the event releases; a thread with
+nothing ready spins, then yields its core, then sleeps (backoff.py). A scheduler runs
 tasks only while no worker is running (and a worker handles events only
 while no scheduler is), which keeps any thread count deadlock-free. Between
 steps, one serial section appends the picked token and advances ``step``.
@@ -35,6 +36,7 @@ from yirage.persistent.guard import Snapshot, check_tensor, token_out_of_range
 from yirage.persistent.program import PersistentProgram
 from yirage.persistent.specs import FloatCol, IntCol, kind_code
 from yirage_backend_cpu.atomics import atomic_add, atomic_load, atomic_store, cycle_counter
+from yirage_backend_cpu.backoff import SLEEP_US, SPIN_CYCLES, YIELD_CYCLES, cpu_relax, os_yield, sleep_us
 from yirage_backend_cpu.pk_tasks import (
     ATTN,
     BF16,
@@ -61,6 +63,7 @@ from yirage_backend_cpu.sources import tie_caches_to_sources
 from yirage_backend_cpu.threads import check_fork, serialized
 
 DTYPES = {"float32": F32, "bfloat16": BF16, "float16": F16, "int64": I64}
+YIELDS, SLEEPS = 4, 5  # flags slots after pk_tasks' four: how often idle threads yielded / slept in a run
 
 
 @njit(**OPTS)
@@ -88,7 +91,9 @@ def run_role(w, is_sched, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, e
     atomic_add(ctl, 4 + is_sched, 1)
     mine_t = -1
     mine_e = -1
+    idle_since = 0  # cycle counter when this thread last found nothing to run (0: it just ran something)
     while True:
+        busy = False
         if atomic_load(flags, STOP) != 0:
             break  # the step is abandoned; decode() does not commit it
         if mine_t < 0 and (is_sched == 0 or atomic_load(ctl, 4) == 0) and atomic_load(ctl, 0) < n_tasks:
@@ -107,6 +112,7 @@ def run_role(w, is_sched, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, e
                     profile[3 * task + 2] = w
                 complete(task, ctl, counts, trigger, ev_ptr, ev_list, ev_q)
                 mine_t = -1
+                busy = True
         if mine_e < 0 and (is_sched == 1 or atomic_load(ctl, 5) == 0) and atomic_load(ctl, 2) < n_events:
             slot = atomic_add(ctl, 2, 1)
             if slot < n_events:
@@ -116,8 +122,23 @@ def run_role(w, is_sched, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, e
             if e >= 0:
                 release(e, ctl, pending, gate_ptr, gate_list, task_q)
                 mine_e = -1
+                busy = True
         if mine_t < 0 and mine_e < 0 and atomic_load(ctl, 0) >= n_tasks and atomic_load(ctl, 2) >= n_events:
             break
+        if busy:
+            idle_since = 0
+            continue
+        now = cycle_counter()  # nothing ready: spin, then yield the core, then sleep (backoff.py)
+        if idle_since == 0:
+            idle_since = now
+        if now - idle_since < SPIN_CYCLES:
+            cpu_relax()
+        elif now - idle_since < YIELD_CYCLES:
+            os_yield()
+            atomic_add(flags, YIELDS, 1)
+        else:
+            sleep_us(SLEEP_US)
+            atomic_add(flags, SLEEPS, 1)
     atomic_add(ctl, 4 + is_sched, -1)
 
 
@@ -240,8 +261,9 @@ class CPUPersistentRuntime:
         self.scratch = np.zeros(max(1, self.workers + self.schedulers) * scratch, np.float32)
         self.ids = (program.tokens_id, program.tokens.shape[1], self._step_id(), program.pick_id)
         self.steps_run = np.zeros(1, np.int64)
-        self.flags = np.zeros(4, np.int64)  # STOP, ERROR, ERR_VALUE, ERR_ROW (see the module docstring)
+        self.flags = np.zeros(8, np.int64)  # STOP, ERROR, ERR_VALUE, ERR_ROW (module docstring), YIELDS, SLEEPS
         self.last_profile: np.ndarray | None = None
+        self.last_backoff = {"yields": 0, "sleeps": 0}  # of the last run: idle threads that gave their core away
         # every address in the table, re-checked before each run (the kernel checks the user's tensors too)
         self.snapshot = Snapshot([*zip([*names, "step"], self.keep, strict=True)])
 
@@ -300,6 +322,7 @@ class CPUPersistentRuntime:
             else:  # signals reach only the main thread: Ctrl-C there reaches this run through the exit hook
                 steps = _decode_with_threads(threads, args)
         ns_per_cycle = (time.perf_counter_ns() - wall) / max(1, _cycles() - cycles)
+        self.last_backoff = {"yields": int(self.flags[YIELDS]), "sleeps": int(self.flags[SLEEPS])}
         if self.flags[ERROR] == ERR_TOKEN:
             row, tok = int(self.flags[ERR_ROW]), int(self.flags[ERR_VALUE])
             raise token_out_of_range(row, tok)

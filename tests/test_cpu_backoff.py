@@ -1,0 +1,71 @@
+"""Idle PersistentKernel threads give their core away on a busy machine (spin, then yield, then sleep).
+
+The wait primitives are checked for what they promise (a sleep sleeps and burns no CPU time); the decode loop
+is checked under CPU hogs (more runnable threads than cores) against transformers: backing off must not change
+a single token or logit beyond the usual tolerance. No speed is asserted here: benchmark/llm_decode.py --busy N
+measures it against llama.cpp and HF eager in one run.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import yirage as yr
+from yirage.engine import GenerationConfig, InferEngine
+
+transformers = pytest.importorskip("transformers")
+numba = pytest.importorskip("numba")
+
+from llm_oracle import assert_decode_matches, zoo_factory  # noqa: E402 - needs transformers, checked just above
+
+pytestmark = pytest.mark.skipif(not yr.is_backend_available("cpu"), reason="the cpu backend is not available here")
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    return zoo_factory(tmp_path_factory)
+
+
+def test_sleep_gives_the_core_away_and_yield_and_pause_return() -> None:
+    from yirage_backend_cpu.backoff import cpu_relax, os_yield, sleep_us
+
+    @numba.njit(nogil=True)
+    def wait(rounds: int, micros: int) -> int:
+        for _ in range(rounds):
+            cpu_relax()
+            os_yield()
+        sleep_us(micros)
+        return rounds
+
+    wait(1, 1)  # compile outside the measured window
+    wall, cpu = time.perf_counter(), time.thread_time()
+    assert wait(1000, 20_000) == 1000
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    assert wall >= 0.019, f"usleep(20 ms) returned after {wall * 1e3:.2f} ms"
+    assert cpu < wall / 2, f"the sleep burned {cpu * 1e3:.1f} ms of CPU time in {wall * 1e3:.1f} ms: it spun"
+
+
+def test_decode_under_cpu_hogs_matches_transformers(zoo) -> None:
+    model = zoo("llama-gqa")
+    engine = InferEngine(model.path, backend="cpu", num_workers=2, num_local_schedulers=1)
+    config = GenerationConfig(max_new_tokens=model.reference.tokens.shape[1], eos_token_id=(), output_logits=True)
+    engine.generate(model.reference.ids, GenerationConfig(max_new_tokens=2, eos_token_id=()))  # compile first
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    try:
+        time.sleep(0.2)  # let the hogs take the cores
+        result = engine.generate(model.reference.ids, config)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait(timeout=30)
+    assert_decode_matches(model.reference, result.tokens, result.logits, label=f"{model.label} under 3 CPU hogs")
+    decoder = next(iter(engine._decoders.values()))
+    backoff = decoder.runtime.last_backoff
+    print(f"idle threads yielded {backoff['yields']} and slept {backoff['sleeps']} times in the last run")
+    assert set(backoff) == {"yields", "sleeps"} and min(backoff.values()) >= 0
+    assert torch.equal(result.tokens, model.reference.tokens)
