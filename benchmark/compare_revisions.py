@@ -42,10 +42,26 @@ def figures(kernel: dict[str, Any], decode: dict[str, Any]) -> dict[str, float]:
     """yirage's own figures (µs for W1-W3, ms/token for W4) from one round of both scripts."""
     found = {f"{r['workload']} {r['case']} [{r['impl']}] us": r["median_us"]
              for r in kernel["results"] if r["impl"].startswith("yirage") and r.get("median_us")}
-    for name, peer in decode["peers"].items():
-        if name.startswith("yirage"):
-            found[f"W4 {name} ms/token"] = peer["ms_per_token"]
+    if "peers" in decode:  # llm_decode.py before it measured llama.cpp: W4 only
+        for name, peer in decode["peers"].items():
+            if name.startswith("yirage"):
+                found[f"W4 {name} ms/token"] = peer["ms_per_token"]
+        return found
+    for model, entry in decode["models"].items():
+        for dtype, row in entry["dtypes"].items():
+            for name, stats in row["quiet"].items():
+                if name.startswith("yirage"):
+                    found[f"{model.upper()} {name.replace('cpu', dtype)} ms/token"] = stats["median"]
     return found
+
+
+def decode_args(checkout: Path, tokens: int) -> list[str]:
+    """The revision's llm_decode.py flags for yirage's W4 figures alone (its options changed over time)."""
+    source = (checkout / "benchmark" / "llm_decode.py").read_text(encoding="utf-8")
+    if "--no-llama-cpp" in source:
+        return ["--models", "w4", "--dtypes", "f32", "bf16", "--rounds", "1", "--no-llama-cpp", "--no-hf",
+                "--tokens", str(tokens)]
+    return ["--skip-compile", "--tokens", str(tokens)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args(argv)
     kernel_args = ["--quick"] if args.quick else []
-    decode_args = ["--skip-compile", "--tokens", str(args.tokens)]
     with tempfile.TemporaryDirectory(prefix="yirage-compare-") as tmp:
         base = Path(tmp) / "base"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.base], check=True,
@@ -68,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"round {round_ + 1}: {label}", file=sys.stderr, flush=True)
                     cache = Path(tmp) / f"cache-{label}"
                     kernel = run_json(checkout, cache, "kernel_graphs.py", kernel_args, label == "base")
-                    decode = run_json(checkout, cache, "llm_decode.py", decode_args, label == "base")
+                    decode = run_json(checkout, cache, "llm_decode.py", decode_args(checkout, args.tokens),
+                                      label == "base")
                     runs[label].append(figures(kernel, decode))
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False,

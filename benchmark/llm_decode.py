@@ -1,174 +1,358 @@
-"""W4 of BENCHMARKS.md: small Llama decode, yirage PersistentKernel vs Hugging Face in one run.
+"""Decode speed (W4 and W6 of BENCHMARKS.md): yirage vs llama.cpp vs Hugging Face eager, interleaved in one run.
 
-Builds the W4 model from its config with random weights (no download),
-saves it with safetensors, and measures decode ms/token at batch 1 after a
-16-token prompt for: yirage (float32 and bfloat16 weights), HF eager
-(DynamicCache) and HF + torch.compile (StaticCache). Prints the bandwidth
-bound (weight bytes per token / measured DRAM read bandwidth), each
-peer's share of it, ratios, a num_workers / num_local_schedulers sweep and
-the per-layer time breakdown from the profiler.
+    python benchmark/llm_decode.py [--models w4 w6 smollm2] [--dtypes f32 bf16 f16 q8_0 q4_0] [--rounds 3]
+                                   [--tokens 64] [--busy N] [--no-llama-cpp] [--no-hf] [--sweep] [--profile] [--json]
 
-    python benchmark/llm_decode.py [--tokens 64] [--skip-compile] [--json]
+Every model is a transformers Llama: W4 and W6 (the 30-layer SmolLM2 shape) with seeded random weights,
+``smollm2`` the real SmolLM2-135M-Instruct (its Q4_1 GGUF dequantized to f32). The very same weights are
+written as GGUF for llama.cpp (``benchmark/llama_cpp_peer.py`` builds ``llama-bench`` once, outside the repo) and
+saved as safetensors for yirage; HF eager runs the transformers model itself. Batch 1, 16-token prompt,
+``--tokens`` new tokens, 2 threads each (the machine's physical cores).
+
+Peers take turns round by round (drift hits them alike); each figure is min / median / max ms per token over
+``--rounds``. The bound is weight bytes read per token / the best measured read bandwidth (torch sum and a
+numba prange sum over 256 MiB, measured in this run); ratios compare medians within one model and dtype.
+``--busy N`` repeats every round with N competing CPU-bound processes running and reports each peer's
+slowdown against its own quiet median. q8_0 / q4_0 run llama.cpp only until yirage decodes quantized weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import numba
+import numpy as np
 import torch
 import transformers
+from yirage_backend_cpu.kernel_lib import racc
 
 import yirage as yr
 from yirage.engine import GenerationConfig, InferEngine
 
-W4 = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8, vocab_size=32000,
-          tie_word_embeddings=False)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llama_cpp_peer as llama_cpp  # noqa: E402 - benchmark/llama_cpp_peer.py, beside this script
+
+MODELS: dict[str, dict[str, Any]] = {
+    "w4": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8, vocab_size=32000,
+               tie_word_embeddings=False),
+    "w6": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5,
+               rope_theta=100000.0, max_position_embeddings=8192),
+}
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "q8_0": None, "q4_0": None}
+BYTES_PER_WEIGHT = {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # GGUF block sizes
+HF_DTYPES = ("f32", "bf16")  # HF eager in f16 on a CPU is an fp16-emulation benchmark, not a peer
+YIRAGE, LLAMA, HF = "yirage cpu", "llama.cpp", "HF eager"
 
 
 def log(*args: Any) -> None:
     print(*args, file=sys.stderr, flush=True)
 
 
-def dram_bandwidth() -> float:
-    """GB/s of a STREAM-like read (torch sum over 256 MiB): the best of three buffers' medians.
+# -- bandwidth -------------------------------------------------------------------------------------------------
 
-    Read speed here depends on where a buffer lands in memory (seen: 23-30 GB/s
-    for buffers allocated back to back), so one buffer can understate the bound.
-    """
-    best = 0.0
+@numba.njit(parallel=True, cache=False)
+def _prange_sum(x: np.ndarray, parts: int) -> float:
+    """One sequential stream per thread (a chunk each), summed with a reassociable add (vectorized)."""
+    chunk = x.shape[0] // parts
+    sums = np.zeros(parts, np.float32)
+    for p in numba.prange(parts):
+        acc = np.float32(0)
+        for i in range(np.uint64(p * chunk), np.uint64((p + 1) * chunk)):  # unsigned: no wraparound check
+            acc = racc(acc, x[i])
+        sums[p] = acc
+    return sums.sum()
+
+
+def read_bandwidth() -> dict[str, float]:
+    """GB/s of streaming reads over 256 MiB: torch sum and a numba prange sum, each the best of 3 buffers' medians
+    (where a buffer lands in memory moves it by 20-30%); ``best`` is the bound's denominator."""
+    out: dict[str, float] = {"torch_sum": 0.0, "numba_prange_sum": 0.0}
+    threads = max(1, torch.get_num_threads())
     for _ in range(3):
         x = torch.ones(64 * 2**20)
-        x.sum()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            x.sum()
-            times.append(time.perf_counter() - start)
-        best = max(best, x.numel() * 4 / statistics.median(times) / 1e9)
-    return best
+        arr = x.numpy()
+        probes: tuple[tuple[str, Callable[[], Any]], ...] = (
+            ("torch_sum", x.sum), ("numba_prange_sum", lambda arr=arr: _prange_sum(arr, threads)))
+        for name, fn in probes:
+            fn()
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            out[name] = max(out[name], x.numel() * 4 / statistics.median(times) / 1e9)
+    out["best"] = max(out.values())
+    return out
 
 
-def weight_bytes(engine: InferEngine) -> int:
-    m = engine.model
-    tensors = [m.embed[:1], m.norm, m.lm_head] + [t for blk in m.blocks for t in blk.values()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+def weight_bytes(config: Any, dtype: str) -> float:
+    """Bytes of weights one decode token reads: every projection, one embedding row, the LM head (norms aside)."""
+    h, inter, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    kv = config.num_key_value_heads * (h // config.num_attention_heads)
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * inter
+    weights = layers * per_layer + vocab * h + h  # LM head (tied or not: read whole once) + one embedding row
+    return weights * BYTES_PER_WEIGHT[dtype]
 
 
-def yirage_ms(path: str, ids: torch.Tensor, tokens: int, dtype: Any, workers: int | None = None,
-              schedulers: int | None = None, repeats: int = 3) -> tuple[float, list[int], InferEngine]:
-    engine = InferEngine(path, backend="cpu", dtype=dtype, num_workers=workers, num_local_schedulers=schedulers)
-    config = GenerationConfig(max_new_tokens=tokens, eos_token_id=())
-    engine.generate(ids, GenerationConfig(max_new_tokens=4, eos_token_id=()))  # JIT / cache load
-    runs = [engine.generate(ids, config) for _ in range(repeats)]
-    return statistics.median(r.ms_per_token for r in runs), runs[0].tokens[0].tolist(), engine
+# -- models ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class Model:
+    name: str
+    hf: Any  # the transformers model (float32)
+    path: str  # its safetensors directory, for yirage
+    ids: torch.Tensor  # the prompt (1, prompt_len)
+    tokenizer_gguf: Path | None  # a GGUF file whose tokenizer metadata llama.cpp gets (None: synthetic vocab)
+    gguf: dict[str, Path] = field(default_factory=dict)
 
 
-def hf_ms(model: Any, ids: torch.Tensor, tokens: int, cache: str = "dynamic", repeats: int = 3) -> tuple[float, list]:
-    """Decode ms/token: (time of N-token generate - time of 1-token generate) / (N - 1)."""
-    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, cache_implementation=None)
-    if cache == "static":
-        kwargs["cache_implementation"] = "static"
+def build_model(name: str, prompt_len: int, workdir: Path) -> Model:
+    from yirage.models.downloads import DownloadError, smollm2_gguf
 
-    def timed(n: int) -> tuple[float, Any]:
+    try:
+        smol: Path | None = smollm2_gguf(download=False)  # its tokenizer serves every 49152-token model
+    except DownloadError as exc:
+        if name == "smollm2":
+            raise SystemExit(f"--models smollm2: {exc}") from exc
+        smol = None
+    if name == "smollm2":
+        assert smol is not None
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(Path(smol).parent), gguf_file=Path(smol).name,
+                                                               torch_dtype=torch.float32)
+    else:
+        torch.manual_seed(0)
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODELS[name]))
+    hf = hf.eval()
+    hf.generation_config.eos_token_id = None
+    path = workdir / name
+    hf.save_pretrained(path, safe_serialization=True)
+    ids = torch.randint(0, hf.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(1))
+    same_vocab = smol is not None and hf.config.vocab_size == 49152
+    return Model(name, hf, str(path), ids, smol if same_vocab else None)
+
+
+def gguf_for(model: Model, dtype: str, workdir: Path) -> Path:
+    from yirage.models.gguf_export import export_gguf
+
+    if dtype not in model.gguf:
+        path = workdir / f"{model.name}-{dtype}.gguf"
+        export_gguf(path, model.hf.config, model.hf.state_dict(), dtype.upper(), tokenizer_from=model.tokenizer_gguf)
+        model.gguf[dtype] = path
+    return model.gguf[dtype]
+
+
+# -- one measurement per peer ----------------------------------------------------------------------------------
+
+def yirage_run(engine: InferEngine, ids: torch.Tensor, tokens: int) -> float:
+    result = engine.generate(ids, GenerationConfig(max_new_tokens=tokens, eos_token_id=()))
+    assert result.ms_per_token is not None
+    return result.ms_per_token
+
+
+def hf_run(model: Any, ids: torch.Tensor, tokens: int) -> float:
+    """Decode ms/token: (time of an N-token generate - time of a 1-token generate) / (N - 1)."""
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    def timed(n: int) -> float:
         start = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
-        return time.perf_counter() - start, out
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        return time.perf_counter() - start
 
-    timed(4)
-    full = [timed(tokens) for _ in range(repeats)]
-    one = [timed(1)[0] for _ in range(repeats)]
-    ms = (statistics.median(t for t, _ in full) - statistics.median(one)) / (tokens - 1) * 1e3
-    return ms, full[0][1][0, ids.shape[1]:].tolist()
+    one = timed(1)
+    return (timed(tokens) - one) / (tokens - 1) * 1e3
 
 
-def profile_breakdown(engine: InferEngine, ids: torch.Tensor) -> dict[str, float]:
-    """Per-layer-kind share of one decode step's task time, from the profiler tensor."""
-    engine.generate(ids, GenerationConfig(max_new_tokens=2, eos_token_id=()))
+@contextlib.contextmanager
+def busy(n: int) -> Iterator[None]:
+    """``n`` competing CPU-bound processes while the block runs."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.5 if n else 0)
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait(timeout=30)
+
+
+def peers_for(model: Model, dtype: str, args: argparse.Namespace, workdir: Path) -> dict[str, Callable[[], float]]:
+    peers: dict[str, Callable[[], float]] = {}
+    if DTYPES[dtype] is not None:
+        engine = InferEngine(model.path, backend="cpu", dtype=DTYPES[dtype])
+        yirage_run(engine, model.ids, 4)  # JIT / cache load
+        peers[YIRAGE] = lambda: yirage_run(engine, model.ids, args.tokens)
+    if not args.no_llama_cpp:
+        path = gguf_for(model, dtype, workdir)
+        peers[LLAMA] = lambda: llama_cpp.bench_decode(path, tokens=args.tokens, threads=args.threads,
+                                                      depth=args.prompt_len)["ms_per_token"]
+    if not args.no_hf and dtype in HF_DTYPES:
+        hf = model.hf if dtype == "f32" else _cast(model.hf, DTYPES[dtype])
+        hf_run(hf, model.ids, 4)
+        peers[HF] = lambda: hf_run(hf, model.ids, args.tokens)
+    return peers
+
+
+_casts: dict[tuple[int, Any], Any] = {}
+
+
+def _cast(model: Any, dtype: Any) -> Any:
+    import copy
+
+    key = (id(model), dtype)
+    if key not in _casts:
+        _casts[key] = copy.deepcopy(model).to(dtype)
+    return _casts[key]
+
+
+def measure(peers: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Each peer once per round, in turn."""
+    samples: dict[str, list[float]] = defaultdict(list)
+    for r in range(rounds):
+        for name, run in peers.items():
+            samples[name].append(run())
+            log(f"    round {r + 1}/{rounds} {name}: {samples[name][-1]:.2f} ms/token")
+    return dict(samples)
+
+
+def summarize(samples: dict[str, list[float]], bound_ms: float) -> dict[str, dict[str, float]]:
+    out = {}
+    for name, ms in samples.items():
+        med = statistics.median(ms)
+        out[name] = {"min": min(ms), "median": med, "max": max(ms), "tokens_per_s": 1e3 / med,
+                     "share_of_bound": bound_ms / med}
+    for name, row in out.items():
+        for peer, key in ((LLAMA, "vs_llama_cpp"), (HF, "vs_hf_eager")):
+            if peer in out and peer != name:
+                row[key] = out[peer]["median"] / row["median"]  # > 1: this peer is faster
+    return out
+
+
+def sweep(model: Model, tokens: int) -> dict[str, float]:
+    """tokens/s of yirage f32 per (num_workers, num_local_schedulers) asked for."""
+    out = {}
+    for workers, schedulers in ((1, 0), (2, 0), (1, 1), (2, 1), (4, 0)):
+        engine = InferEngine(model.path, backend="cpu", num_workers=workers, num_local_schedulers=schedulers)
+        yirage_run(engine, model.ids, 4)
+        ms = statistics.median(yirage_run(engine, model.ids, tokens) for _ in range(2))
+        _, ran_w, ran_s = next(iter(engine._decoders.values())).runtime.effective()
+        out[f"asked {workers}+{schedulers}, ran {ran_w} workers + {ran_s} schedulers"] = 1e3 / ms
+    return out
+
+
+def profile_breakdown(model: Model) -> dict[str, float]:
+    """Per-layer-kind task time (µs, summed over tasks) of one f32 decode step, from the profiler tensor."""
+    engine = InferEngine(model.path, backend="cpu")
+    engine.generate(model.ids, GenerationConfig(max_new_tokens=2, eos_token_id=()))
     pk = engine.model.build_decoder(engine._step, engine._tokens, backend="cpu",
-                                    profiler_tensor=torch.zeros(3 * 4096, dtype=torch.int64))
+                                    profiler_tensor=torch.zeros(3 * 16384, dtype=torch.int64))
     pk(1)
-    prof = pk.profiler_tensor
-    graph = pk.task_graph
+    prof, graph = pk.profiler_tensor, pk.task_graph
     per_kind: dict[str, float] = defaultdict(float)
     for task in range(graph.num_tasks):
-        kind = pk.layers[graph.task_layer[task]].kind
-        per_kind[kind] += float(prof[3 * task + 1] - prof[3 * task]) / 1e3
+        per_kind[pk.layers[graph.task_layer[task]].kind] += float(prof[3 * task + 1] - prof[3 * task]) / 1e3
     return dict(per_kind)
 
 
+# -- main ------------------------------------------------------------------------------------------------------
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=[*MODELS, "smollm2"], default=["w4", "w6"])
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["f32", "bf16", "f16"])
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--skip-compile", action="store_true", help="skip HF + torch.compile (slow to compile)")
+    parser.add_argument("--threads", type=int, default=None, help="threads per peer (default: physical cores)")
+    parser.add_argument("--busy", type=int, default=0, metavar="N", help="also run every round beside N CPU hogs")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (no build, no GGUF files)")
+    parser.add_argument("--no-hf", action="store_true", help="skip HF eager")
+    parser.add_argument("--sweep", action="store_true", help="also sweep yirage's worker/scheduler counts (f32)")
+    parser.add_argument("--profile", action="store_true", help="also print yirage's per-layer-kind task time")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    torch.manual_seed(0)
-    torch.set_num_threads(yr.get_backend_info("cpu")["device"]["compute_units"])
-    config = transformers.LlamaConfig(**W4)
-    model = transformers.LlamaForCausalLM(config).eval()
-    path = tempfile.mkdtemp(prefix="yirage-w4-")
-    model.save_pretrained(path, safe_serialization=True)
-    model.generation_config.eos_token_id = None
-    ids = torch.randint(0, config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(1))
-    bandwidth = dram_bandwidth()
-    log(f"DRAM read bandwidth {bandwidth:.1f} GB/s")
-
-    results: dict[str, Any] = {"config": W4, "batch": 1, "prompt_len": args.prompt_len, "tokens": args.tokens,
-                               "dram_gb_s": bandwidth, "torch": torch.__version__, "peers": {}}
-    ours32, tokens32, engine = yirage_ms(path, ids, args.tokens, None)
-    ours16, tokens16, engine16 = yirage_ms(path, ids, args.tokens, torch.bfloat16)
-    bytes32, bytes16 = weight_bytes(engine), weight_bytes(engine16)
-    eager, hf_tokens = hf_ms(model, ids, args.tokens)
-    static, _ = hf_ms(model, ids, args.tokens, "static")
-    peers = {"yirage f32": (ours32, bytes32), "yirage bf16": (ours16, bytes16), "HF eager (dynamic cache)":
-             (eager, bytes32), "HF eager (static cache)": (static, bytes32)}
-    if not args.skip_compile:
-        compiled = torch.compile(model.forward, dynamic=False)
-        model.forward = compiled
-        hf_compiled, _ = hf_ms(model, ids, args.tokens, "static")
-        peers["HF + torch.compile (static cache)"] = (hf_compiled, bytes32)
-    results["identical_to_hf"] = tokens32 == hf_tokens
-    results["bf16_matches_f32_tokens"] = sum(a == b for a, b in zip(tokens16, tokens32, strict=True)) / len(tokens32)
-    for name, (ms, nbytes) in peers.items():
-        bound_ms = nbytes / bandwidth / 1e6
-        results["peers"][name] = {"ms_per_token": ms, "tokens_per_s": 1e3 / ms, "bound_ms": bound_ms,
-                                  "share_of_bound": bound_ms / ms}
-    sweep = {}
-    for workers, schedulers in ((1, 0), (2, 0), (1, 1), (2, 1), (4, 0)):
-        ms, _, swept = yirage_ms(path, ids, args.tokens, None, workers, schedulers, repeats=2)
-        decoder = next(iter(swept._decoders.values()))
-        _, ran_w, ran_s = decoder.runtime.effective()
-        sweep[f"asked {workers}+{schedulers}, ran {ran_w} workers + {ran_s} schedulers"] = 1e3 / ms
-    results["sweep_tokens_per_s"] = sweep
-    results["breakdown_us"] = profile_breakdown(engine, ids)
+    if args.tokens < 2 or args.rounds < 1:
+        parser.error("--tokens must be >= 2 and --rounds >= 1")
+    args.threads = args.threads or yr.get_backend_info("cpu")["device"]["compute_units"]
+    torch.set_num_threads(args.threads)
+    if not args.no_llama_cpp:
+        log(f"llama-bench: {llama_cpp.llama_bench_path()}")
+    bandwidth = read_bandwidth()
+    log(f"read bandwidth (GB/s): {bandwidth}")
+    results: dict[str, Any] = {"batch": 1, "prompt_len": args.prompt_len, "tokens": args.tokens,
+                               "rounds": args.rounds, "threads": args.threads, "busy": args.busy,
+                               "bandwidth_gb_s": bandwidth, "torch": torch.__version__, "yirage": yr.__version__,
+                               "models": {}}
+    workdir = Path(tempfile.mkdtemp(prefix="yirage-llm-decode-"))
+    for name in args.models:
+        model = build_model(name, args.prompt_len, workdir)
+        entry: dict[str, Any] = {"config": {k: getattr(model.hf.config, k) for k in (
+            "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "tie_word_embeddings")}, "dtypes": {}}
+        for dtype in args.dtypes:
+            log(f"{name} {dtype}:")
+            peers = peers_for(model, dtype, args, workdir)
+            bound_ms = weight_bytes(model.hf.config, dtype) / bandwidth["best"] / 1e6
+            row: dict[str, Any] = {"bound_ms": bound_ms, "quiet": summarize(measure(peers, args.rounds), bound_ms)}
+            if args.busy:
+                with busy(args.busy):
+                    row["busy"] = summarize(measure(peers, args.rounds), bound_ms)
+                for peer, stats in row["busy"].items():
+                    stats["slowdown"] = stats["median"] / row["quiet"][peer]["median"]
+            entry["dtypes"][dtype] = row
+        if args.sweep:
+            entry["sweep_tokens_per_s"] = sweep(model, args.tokens)
+        if args.profile:
+            entry["breakdown_us"] = profile_breakdown(model)
+        results["models"][name] = entry
     if args.json:
         print(json.dumps(results, indent=2))
-        return 0
-    print(f"W4 decode: Llama {W4}, batch 1, prompt {args.prompt_len}, {args.tokens} new tokens, torch "
-          f"{torch.__version__}, DRAM {bandwidth:.1f} GB/s; weights {bytes32 / 2**20:.1f} MiB f32, "
-          f"{bytes16 / 2**20:.1f} MiB bf16")
-    print(f"{'peer':<36}{'ms/token':>10}{'tok/s':>9}{'bound ms':>10}{'share':>8}{'vs HF eager':>13}")
-    for name, r in results["peers"].items():
-        print(f"{name:<36}{r['ms_per_token']:>10.2f}{r['tokens_per_s']:>9.1f}{r['bound_ms']:>10.2f}"
-              f"{r['share_of_bound']:>7.0%}{eager / r['ms_per_token']:>12.2f}x")
-    print(f"greedy tokens identical to HF: {results['identical_to_hf']}; bf16 run agrees with f32 on "
-          f"{results['bf16_matches_f32_tokens']:.0%} of tokens")
-    print("num_workers / num_local_schedulers sweep (tokens/s):")
-    for name, tps in sweep.items():
-        print(f"  {name:<44}{tps:8.1f}")
-    print("one decode step, task time per layer kind (µs, summed over tasks):")
-    for kind, us in sorted(results["breakdown_us"].items(), key=lambda kv: -kv[1]):
-        print(f"  {kind:<34}{us:10.1f}")
-    return 0 if results["identical_to_hf"] else 1
+    else:
+        print_report(results)
+    return 0
+
+
+def print_report(results: dict[str, Any]) -> None:
+    bw = results["bandwidth_gb_s"]
+    print(f"decode: batch 1, prompt {results['prompt_len']}, {results['tokens']} new tokens, {results['rounds']} "
+          f"rounds, {results['threads']} threads each; read bandwidth {bw['best']:.1f} GB/s (torch sum "
+          f"{bw['torch_sum']:.1f}, numba prange sum {bw['numba_prange_sum']:.1f}); torch {results['torch']}")
+    print("ms/token min / median / max; share = bound / median; vs = peer median / this median (> 1: this faster)")
+    for name, entry in results["models"].items():
+        print(f"\n== {name}: {entry['config']} ==")
+        head = f"{'dtype':<6}{'peer':<11}{'min':>8}{'median':>8}{'max':>8}{'share':>7}{'vs llama.cpp':>14}{'vs HF':>8}"
+        busy = results["busy"]
+        print(head + (f"{'busy med':>10}{'slowdown':>10}" if busy else ""))
+        for dtype, row in entry["dtypes"].items():
+            for peer, s in row["quiet"].items():
+                line = (f"{dtype:<6}{peer:<11}{s['min']:>8.2f}{s['median']:>8.2f}{s['max']:>8.2f}"
+                        f"{s['share_of_bound']:>7.0%}{_ratio(s.get('vs_llama_cpp')):>14}{_ratio(s.get('vs_hf_eager')):>8}")
+                if busy:
+                    b = row["busy"][peer]
+                    line += f"{b['median']:>10.2f}{b['slowdown']:>9.2f}x"
+                print(line)
+            print(f"{'':<6}bound {row['bound_ms']:.2f} ms/token")
+        for kind, us in sorted(entry.get("breakdown_us", {}).items(), key=lambda kv: -kv[1]):
+            print(f"  profile {kind:<34}{us:10.1f} µs")
+        for what, tps in entry.get("sweep_tokens_per_s", {}).items():
+            print(f"  sweep {what:<46}{tps:8.1f} tok/s")
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 if __name__ == "__main__":

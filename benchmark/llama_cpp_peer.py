@@ -1,0 +1,246 @@
+"""llama.cpp as a decode peer: build ``llama-bench`` once, export GGUF files, time decode.
+
+llama.cpp is built from the source the ``llama-cpp-python`` sdist vendors
+(``vendor/llama.cpp``), fetched with pip from PyPI, the one registry this
+project assumes reachable. The binary is cached outside the repository in
+``$YIRAGE_LLAMA_CPP_DIR``, else ``<yirage cache>/llama.cpp/<version>/``
+(``~/.cache/yirage/llama.cpp/...``); a lock file keeps two processes from
+building at once, and the binary is copied in under a temporary name and
+renamed, so a killed build never leaves a half-written ``llama-bench``.
+
+    python benchmark/llama_cpp_peer.py [--tokens 64] [--depth 16] [--threads 2] [--repeats 3] [--dtypes F32 ...]
+                                       [--json]
+
+builds llama.cpp (5-10 minutes on 2 cores, once), re-types the SmolLM2-135M
+GGUF model to each dtype (read dequantized to f32 by yirage's loader, written
+by ``yirage.models.gguf_export``) and prints llama.cpp's decode ms/token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+LLAMA_CPP_PYTHON = "0.3.36"  # newest llama-cpp-python sdist on PyPI when this was written (2026-11)
+ENV = "YIRAGE_LLAMA_CPP_DIR"  # a directory for the build (or an existing build) instead of the yirage cache
+CMAKE_FLAGS = (
+    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",  # one self-contained binary: it can be moved out of the build tree
+)
+BENCH_DTYPES = ("F32", "BF16", "F16", "Q8_0", "Q4_0")
+
+
+class LlamaCppError(RuntimeError):
+    """llama.cpp could not be built or run; the message names the cause and the fix."""
+
+
+def log(*args: Any) -> None:
+    print("[llama.cpp]", *args, file=sys.stderr, flush=True)
+
+
+def cache_dir(version: str = LLAMA_CPP_PYTHON) -> Path:
+    """Where the ``llama-bench`` of this llama-cpp-python version lives (created 0700 if missing)."""
+    given = os.environ.get(ENV)
+    if given:
+        path = Path(given).expanduser().absolute()
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LlamaCppError(f"${ENV}={given!r} cannot be created ({exc}); point it at a writable directory "
+                                "or unset it to use the yirage cache") from exc
+        return path
+    from yirage.compiler.cache import private_dir, private_root
+
+    return private_dir(private_root() / "llama.cpp" / version)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"another process is building llama.cpp (lock {path}); waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _run(cmd: list[str], what: str, cwd: Path | None = None, quiet: bool = False) -> None:
+    log(f"{what}: {' '.join(cmd)}")
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=cwd, text=True, check=False,
+                          stdout=subprocess.PIPE if quiet else sys.stderr,
+                          stderr=subprocess.STDOUT if quiet else sys.stderr)
+    if done.returncode:
+        tail = (done.stdout or "").strip()[-1500:]
+        raise LlamaCppError(f"{what} failed (exit {done.returncode}): `{' '.join(cmd)}`{': ' + tail if tail else ''}; "
+                            "see the output above, check that cmake and a C++ compiler are installed and PyPI "
+                            f"is reachable, or set ${ENV} to a directory holding a built llama-bench")
+    log(f"{what}: done in {time.perf_counter() - start:.0f} s")
+
+
+def _unpack_sdist(tmp: Path, version: str) -> Path:
+    _run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+          "--disable-pip-version-check", f"llama-cpp-python=={version}", "-d", str(tmp)],
+         "downloading the llama-cpp-python sdist")
+    archives = list(tmp.glob("llama_cpp_python-*.tar.gz")) + list(tmp.glob("llama-cpp-python-*.tar.gz"))
+    if not archives:
+        raise LlamaCppError(f"pip downloaded no llama-cpp-python {version} sdist into {tmp}; check that PyPI "
+                            "serves it, or pin another version in benchmark/llama_cpp_peer.py")
+    log(f"unpacking {archives[0].name}")
+    with tarfile.open(archives[0]) as tar:
+        tar.extractall(tmp / "src", filter="data")
+    roots = [p for p in (tmp / "src").iterdir() if (p / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file()]
+    if not roots:
+        raise LlamaCppError(f"{archives[0].name} has no vendor/llama.cpp/CMakeLists.txt; the sdist layout "
+                            "changed: pin another llama-cpp-python version in benchmark/llama_cpp_peer.py")
+    return roots[0] / "vendor" / "llama.cpp"
+
+
+def llama_bench_path(version: str = LLAMA_CPP_PYTHON) -> Path:
+    """The cached ``llama-bench`` binary, built from llama-cpp-python's vendored llama.cpp on first use."""
+    root = cache_dir(version)
+    binary = root / "llama-bench"
+    if binary.is_file() and os.access(binary, os.X_OK):
+        return binary
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise LlamaCppError(f"building llama.cpp needs {tool!r} on PATH; install it (e.g. apt-get install "
+                                f"cmake g++), or set ${ENV} to a directory holding a built llama-bench")
+    with _locked(root / "build.lock"):
+        if binary.is_file():  # another process built it while we waited
+            return binary
+        for stale in root.glob("build-*"):  # left by a killed build (we hold the lock: nobody else is building)
+            log(f"removing {stale}, left by an interrupted build")
+            shutil.rmtree(stale)
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="build-", dir=root) as tmp_name:
+            tmp = Path(tmp_name)
+            src = _unpack_sdist(tmp, version)
+            build = tmp / "build"
+            _run(["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS], "configuring llama.cpp", quiet=True)
+            jobs = str(max(1, min(2, os.cpu_count() or 1)))
+            _run(["cmake", "--build", str(build), "-j", jobs, "--target", "llama-bench"],
+                 f"building llama-bench with {jobs} jobs (5-10 minutes on 2 cores)")
+            built = next(iter(build.glob("bin/llama-bench")), None)
+            if built is None:
+                raise LlamaCppError(f"the build finished but {build}/bin/llama-bench is missing; the llama.cpp "
+                                    "layout changed: pin another llama-cpp-python version in "
+                                    "benchmark/llama_cpp_peer.py")
+            part = root / "llama-bench.part"
+            shutil.copy2(built, part)
+            os.chmod(part, 0o700)
+            os.replace(part, binary)
+        log(f"llama-bench {version} built in {time.perf_counter() - start:.0f} s: {binary}")
+    return binary
+
+
+def bench_decode(gguf_path: str | Path, tokens: int = 64, threads: int = 2, repeats: int = 1, *,
+                 depth: int = 0, binary: Path | None = None) -> dict[str, Any]:
+    """llama.cpp's decode speed on one GGUF file: ``ms_per_token``, ``tok_per_s`` and the raw llama-bench row.
+
+    Runs ``llama-bench -p 0 -n tokens`` (text generation only, flash attention off) and
+    reads its JSON; ms/token is avg_ns / tokens, and min/max come from its samples.
+    ``depth``: tokens already in the KV cache before the timed ones (``-d``; e.g. 16 to
+    time decode after a 16-token prompt, as yirage's benchmark does).
+    """
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise LlamaCppError(f"GGUF file {str(path)!r} does not exist; export one with "
+                            "yirage.models.gguf_export.export_gguf first")
+    for name, value, least in (("tokens", tokens, 1), ("threads", threads, 1), ("repeats", repeats, 1),
+                               ("depth", depth, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise LlamaCppError(f"bench_decode {name}={value!r} must be an int >= {least}")
+    binary = binary or llama_bench_path()
+    cmd = [str(binary), "-m", str(path), "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", str(repeats),
+           "-d", str(depth), "-fa", "0", "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise LlamaCppError(f"`{' '.join(cmd)}` failed (exit {done.returncode}): {done.stderr.strip()[-1500:]}; "
+                            "llama.cpp could not load or run the file: check it with yirage.models.gguf.read_gguf")
+    try:
+        rows = json.loads(done.stdout)
+        row = next(r for r in rows if r.get("n_gen") == tokens and not r.get("n_prompt")
+                   and r.get("n_depth", 0) == depth)
+        samples_ns = [float(s) for s in row["samples_ns"]]
+        avg_ns = float(row["avg_ns"])
+    except (json.JSONDecodeError, StopIteration, KeyError, TypeError, ValueError) as exc:
+        raise LlamaCppError(f"cannot read llama-bench's JSON ({type(exc).__name__}: {exc}); output began "
+                            f"{done.stdout[:300]!r}: the llama-bench output format changed, update "
+                            "benchmark/llama_cpp_peer.py") from exc
+    per_token = [s / tokens / 1e6 for s in samples_ns]
+    ms = avg_ns / tokens / 1e6
+    return {"ms_per_token": ms, "tok_per_s": 1e3 / ms, "min_ms": min(per_token), "max_ms": max(per_token),
+            "samples_ms": per_token, "threads": threads, "tokens": tokens, "depth": depth,
+            "build_commit": row.get("build_commit"), "model_type": row.get("model_type"),
+            "model_size": row.get("model_size"), "raw": row}
+
+
+def export_smollm2(dtypes: tuple[str, ...] = BENCH_DTYPES, out_dir: Path | None = None) -> dict[str, Path]:
+    """The SmolLM2-135M GGUF model re-typed to each dtype, from its Q4_1 file read as f32.
+
+    The files are cached in ``out_dir`` (default ``<llama.cpp cache>/models``) by name:
+    delete them after changing the exporter.
+    """
+    from yirage.models.downloads import smollm2_gguf
+    from yirage.models.gguf import read_gguf
+    from yirage.models.gguf_export import export_gguf
+
+    source = smollm2_gguf()
+    out_dir = out_dir or cache_dir() / "models"
+    out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    paths = {d: out_dir / f"SmolLM2-135M-Instruct.{d}.gguf" for d in dtypes}
+    todo = [d for d, p in paths.items() if not p.is_file()]
+    if todo:
+        config, weights, _ = read_gguf(source)
+        for d in todo:
+            log(f"exporting {paths[d].name}")
+            export_gguf(paths[d], config, weights, d, tokenizer_from=source)  # written atomically
+    return paths
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--depth", type=int, default=16, help="prompt tokens in the KV cache before timing")
+    parser.add_argument("--dtypes", nargs="+", default=list(BENCH_DTYPES), choices=BENCH_DTYPES)
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args(argv)
+    binary = llama_bench_path()
+    paths = export_smollm2(tuple(args.dtypes))
+    results = {}
+    for d, path in paths.items():
+        results[d] = bench_decode(path, args.tokens, args.threads, args.repeats, depth=args.depth,
+                                   binary=binary)
+    if args.json:
+        print(json.dumps({d: {k: v for k, v in r.items() if k != "raw"} for d, r in results.items()}, indent=1))
+    else:
+        print(f"llama.cpp ({results[args.dtypes[0]]['build_commit']}), SmolLM2-135M, {args.threads} threads, "
+              f"{args.tokens} tokens after {args.depth}, {args.repeats} repeats")
+        for d, r in results.items():
+            print(f"{d:5s} {r['ms_per_token']:7.2f} ms/token  {r['tok_per_s']:7.1f} tok/s  "
+                  f"(min {r['min_ms']:.2f}, max {r['max_ms']:.2f})")
+    return results
+
+
+if __name__ == "__main__":
+    main()
