@@ -279,9 +279,10 @@ def bench_w2(reps: int, backends: list[str], baseline: str) -> list[Result]:
         args = same([a, b, r])
         makers = {**yirage_makers(backends, build, args), EAGER: torch_maker(swiglu, args, compiled=False),
                   COMPILED: torch_maker(swiglu, args, compiled=True)}
+        probes = opencl_kernel_probe(build, [a, b, r]) if "opencl" in backends else {}
         n = reps * 5 if shape[0] == 1 else reps
         out += measure("W2 SwiGLU silu(a)*b+r", str(shape), makers, swiglu(a, b, r), n, warmup=max(10, n // 10),
-                       baseline=baseline)
+                       probes=probes, baseline=baseline)
     return out
 
 
@@ -297,6 +298,29 @@ def bench_w3(reps: int, inner: int, backends: list[str], baseline: str) -> list[
     probes = opencl_floor_probes() if "opencl" in backends else {}
     return measure("W3 per-call overhead", "add 16+16", makers, p + q, reps, warmup=max(5, reps // 10), inner=inner,
                    probes=probes, baseline=baseline)
+
+
+def opencl_kernel_probe(build: Callable[[yr.KernelGraph], None], inputs: list[torch.Tensor]) -> dict[str, Call]:
+    """The opencl backend's own kernels for the graph, enqueued on buffers made once and waited for: what the
+    device and its compiler take with no yirage call path around them (reads the backend's program object)."""
+    import pyopencl as cl
+
+    g = yr.new_kernel_graph(backend="opencl")
+    build(g)
+    program = g.compile()._run
+    outs = {name: torch.empty(dims, dtype=dtype) for name, dims, dtype in program.new_outputs}
+    bufs = dict(program.owned_bufs)
+    bufs.update({name: program._buffer(t) for name, t in outs.items()})
+    bufs.update({name: program._buffer(inputs[index]) for name, index, _ in program.inputs})
+    launches = [(program.kernels[step.kernel], step, [bufs[a][0] for a in step.args]) for step in program.steps]
+
+    def call(i: int, keep: Any = (outs, bufs)) -> None:
+        for kernel, step, args in launches:  # the kernel objects are the yirage impl's too: set args every time
+            kernel.set_args(*args)
+            cl.enqueue_nd_range_kernel(program.queue, kernel, (step.global_size,), (step.local,))
+        program.queue.finish()
+
+    return {f"opencl kernels alone on {program.device.name.split('-')[0]} (probe)": call}
 
 
 def opencl_floor_probes() -> dict[str, Call]:
