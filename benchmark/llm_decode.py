@@ -130,8 +130,12 @@ def build_model(name: str, prompt_len: int, workdir: Path) -> Model:
         smol = None
     if name == "smollm2":
         assert smol is not None
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(Path(smol).parent), gguf_file=Path(smol).name,
-                                                               torch_dtype=torch.float32)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(Path(smol).parent), gguf_file=Path(smol).name,
+                                                                   torch_dtype=torch.float32)
+        config = loaded.config
+        config.__dict__.pop("quantization_config", None)  # transformers marks GGUF-loaded models unsaveable
+        hf = transformers.LlamaForCausalLM(config)
+        hf.load_state_dict(loaded.state_dict())
     else:
         torch.manual_seed(0)
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODELS[name]))
