@@ -320,14 +320,17 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
         g = f32s(addr[lp[layer, RMS_NORM]], k)
         xs = scratch[:batch * k]
         eps = lf[layer, F_EPS]
-        for b in range(batch):
+        kk = U(k)  # unsigned indices: no wraparound checks, so the loops vectorize
+        for b in range(U(batch)):
+            xb = x[b * kk:][:k]
+            ob = xs[b * kk:][:k]
             ss = np.float32(0)
-            for i in range(k):
-                v = x[b * k + i]
+            for i in range(kk):
+                v = xb[i]
                 ss = rfma(ss, v, v)
             inv = np.float32(1.0) / math.sqrt(ss / np.float32(k) + np.float32(eps))
-            for i in range(k):
-                xs[b * k + i] = x[b * k + i] * inv * g[i]
+            for i in range(kk):
+                ob[i] = xb[i] * inv * g[i]
         bias = f32s(addr[lp[layer, RMS_BIAS]], n) if lp[layer, RMS_BIAS] >= 0 else none
         linear(xs, batch, k, addr[lp[layer, RMS_W]], tdt[lp[layer, RMS_W]], n0, n0 + cols, out, n, none, bias)
     elif kind == LINRES:
@@ -338,10 +341,12 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
         gu = f32s(addr[lp[layer, SILU_X]], batch * 2 * k)
         res = f32s(addr[lp[layer, SILU_RES]], batch * n)
         xs = scratch[:batch * k]
-        for b in range(batch):
-            for i in range(k):
-                a = gu[b * 2 * k + i]
-                xs[b * k + i] = fsilu(a) * gu[b * 2 * k + k + i]
+        kk = U(k)  # unsigned indices: no wraparound checks, so the loop vectorizes (measured 1.4x)
+        for b in range(U(batch)):
+            gb = gu[b * U(2) * kk:][:2 * k]
+            ob = xs[b * kk:][:k]
+            for i in range(kk):
+                ob[i] = fsilu(gb[i]) * gb[kk + i]
         linear(xs, batch, k, addr[lp[layer, SILU_W]], tdt[lp[layer, SILU_W]], n0, n0 + cols, out, n, res, none)
     else:  # ATTN
         kv_heads, group, d, seq = lp[layer, C_KV_HEADS], lp[layer, C_GROUP], lp[layer, C_HEAD_DIM], lp[layer, C_SEQ]
