@@ -246,7 +246,7 @@ def summarize(samples: dict[str, list[float]], bound_ms: float) -> dict[str, dic
 
 
 def sweep(model: Model, tokens: int) -> dict[str, float]:
-    """tokens/s of yirage f32 per (num_workers, num_local_schedulers) asked for."""
+    """tokens/s of yirage f32 per (num_workers, num_local_schedulers) asked for, and per tasks_per_layer."""
     out = {}
     for workers, schedulers in ((1, 0), (2, 0), (1, 1), (2, 1), (4, 0)):
         engine = InferEngine(model.path, backend="cpu", num_workers=workers, num_local_schedulers=schedulers)
@@ -254,6 +254,11 @@ def sweep(model: Model, tokens: int) -> dict[str, float]:
         ms = statistics.median(yirage_run(engine, model.ids, tokens) for _ in range(2))
         _, ran_w, ran_s = next(iter(engine._decoders.values())).runtime.effective()
         out[f"asked {workers}+{schedulers}, ran {ran_w} workers + {ran_s} schedulers"] = 1e3 / ms
+    for tasks in (2, 4, 8, 16):
+        engine = InferEngine(model.path, backend="cpu", tasks_per_layer=tasks)
+        yirage_run(engine, model.ids, 4)
+        ms = statistics.median(yirage_run(engine, model.ids, tokens) for _ in range(2))
+        out[f"tasks_per_layer={tasks} (LM head {2 * tasks})"] = 1e3 / ms
     return out
 
 
@@ -284,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--busy", type=int, default=0, metavar="N", help="also run every round beside N CPU hogs")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (no build, no GGUF files)")
     parser.add_argument("--no-hf", action="store_true", help="skip HF eager")
-    parser.add_argument("--sweep", action="store_true", help="also sweep yirage's worker/scheduler counts (f32)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also sweep yirage's workers/schedulers and tasks per layer (f32)")
     parser.add_argument("--profile", action="store_true", help="also print yirage's per-layer-kind task time")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

@@ -230,6 +230,18 @@ def test_any_worker_split_decodes_like_transformers(zoo) -> None:
                               label=f"{model.label}, {workers} workers, {schedulers} schedulers")
 
 
+def test_any_task_split_decodes_like_transformers(zoo) -> None:
+    need_cpu()
+    model = zoo("mistral-gqa")
+    for tasks in (1, 3, 7):
+        fast = InferEngine(model.path, backend="cpu", tasks_per_layer=tasks)
+        result = fast.generate(model.reference.ids, greedy(output_logits=True))
+        assert_decode_matches(model.reference, result.tokens, result.logits, label=f"{model.label}, {tasks} tasks")
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="tasks_per_layer must be a positive int"):
+            InferEngine(model.path, backend="cpu", tasks_per_layer=bad)
+
+
 def test_sharded_checkpoints_load(tmp_path, zoo) -> None:
     model = zoo("llama-gqa")
     model.oracle.save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="200KB")

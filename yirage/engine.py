@@ -88,9 +88,17 @@ class InferEngine:
     """
 
     def __init__(self, model_path: str | Path, backend: Any = None, dtype: Any = None,
-                 num_workers: int | None = None, num_local_schedulers: int | None = None) -> None:
+                 num_workers: int | None = None, num_local_schedulers: int | None = None,
+                 tasks_per_layer: int | None = None) -> None:
+        """``tasks_per_layer``: how many tasks each projection is split into (the LM head gets twice as many;
+        default 16). Fewer, larger tasks cost less scheduling; more balance better across many workers."""
         from yirage.backend.selection import current_backend, resolve
 
+        if tasks_per_layer is not None and (isinstance(tasks_per_layer, bool) or not isinstance(tasks_per_layer, int)
+                                            or tasks_per_layer < 1):
+            raise ValueError(f"tasks_per_layer must be a positive int, got {tasks_per_layer!r}; pass e.g. 4, or "
+                             "None for the default (16)")
+        self.tasks_per_layer = tasks_per_layer
         self._lock = ForkSafeRLock()  # a child forked while another thread generates gets a fresh lock
         self.backend = current_backend() if backend is None else resolve(backend, "InferEngine(backend=...)")
         self.model = load_model(model_path, dtype)
@@ -301,7 +309,8 @@ class InferEngine:
             decoder = self.model.build_decoder(self._step, self._tokens, backend=self.backend,
                                                num_workers=self.num_workers,
                                                num_local_schedulers=self.num_local_schedulers,
-                                               eos_token_id=list(eos_ids), sampling=sampling)
+                                               eos_token_id=list(eos_ids), sampling=sampling,
+                                               **({"tasks": self.tasks_per_layer} if self.tasks_per_layer else {}))
             self._decoders[key] = decoder
         compile_s = time.perf_counter() - compile_start
         decode_start = time.perf_counter()
