@@ -245,6 +245,18 @@ def summarize(samples: dict[str, list[float]], bound_ms: float) -> dict[str, dic
     return out
 
 
+def greedy_agreement(model: Model, tokens: int) -> float:
+    """Share of the first ``tokens`` greedy tokens (f32 weights) where yirage equals transformers, up to the first
+    difference counted as all different after it (a decode that diverges once continues from other text)."""
+    ours = InferEngine(model.path, backend="cpu").generate(
+        model.ids, GenerationConfig(max_new_tokens=tokens, eos_token_id=())).tokens[0].tolist()
+    with torch.no_grad():
+        theirs = model.hf.generate(model.ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)[0, model.ids.shape[1]:].tolist()
+    same = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), len(ours))
+    return same / len(ours)
+
+
 def sweep(model: Model, tokens: int) -> dict[str, float]:
     """tokens/s of yirage f32 per (num_workers, num_local_schedulers) asked for, and per tasks_per_layer."""
     out = {}
@@ -323,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                 for peer, stats in row["busy"].items():
                     stats["slowdown"] = stats["median"] / row["quiet"][peer]["median"]
             entry["dtypes"][dtype] = row
+        if not args.no_hf:
+            entry["greedy_tokens_match_hf_f32"] = greedy_agreement(model, args.tokens)
         if args.sweep:
             entry["sweep_tokens_per_s"] = sweep(model, args.tokens)
         if args.profile:
@@ -355,10 +369,32 @@ def print_report(results: dict[str, Any]) -> None:
                     line += f"{b['median']:>10.2f}{b['slowdown']:>9.2f}x"
                 print(line)
             print(f"{'':<6}bound {row['bound_ms']:.2f} ms/token")
+        if "greedy_tokens_match_hf_f32" in entry:
+            print(f"  greedy tokens (f32) equal to transformers' for the first "
+                  f"{entry['greedy_tokens_match_hf_f32']:.0%} of the {results['tokens']}")
+        for dtype, row in entry["dtypes"].items():
+            if busy and YIRAGE in row.get("busy", {}):
+                print("  " + busy_verdict(dtype, row, busy))
         for kind, us in sorted(entry.get("breakdown_us", {}).items(), key=lambda kv: -kv[1]):
             print(f"  profile {kind:<34}{us:10.1f} µs")
         for what, tps in entry.get("sweep_tokens_per_s", {}).items():
             print(f"  sweep {what:<46}{tps:8.1f} tok/s")
+
+
+def busy_verdict(dtype: str, row: dict[str, Any], hogs: int) -> str:
+    """Issue 11's goals beside N busy processes: at least HF eager's speed, and keeping at least 0.9x the share of
+    its own quiet speed that llama.cpp keeps."""
+    busy, quiet = row["busy"], row["quiet"]
+    ours = quiet[YIRAGE]["median"] / busy[YIRAGE]["median"]  # share of the quiet speed kept
+    parts = [f"{dtype} beside {hogs} busy: yirage keeps {ours:.0%} of its quiet speed"]
+    if HF in busy:
+        faster = busy[HF]["median"] / busy[YIRAGE]["median"]
+        parts.append(f"{faster:.2f}x HF eager's busy speed ({'met' if faster >= 1 else 'NOT met'}: >= 1x)")
+    if LLAMA in busy:
+        theirs = quiet[LLAMA]["median"] / busy[LLAMA]["median"]
+        verdict = "met" if ours >= 0.9 * theirs else "NOT met"
+        parts.append(f"llama.cpp keeps {theirs:.0%} ({verdict}: >= 0.9x its share)")
+    return "; ".join(parts)
 
 
 def _ratio(value: float | None) -> str:
