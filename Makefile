@@ -15,7 +15,7 @@ demo: setup
 	$(PY) demo/generate.py --backend auto
 
 lint: setup
-	$(PY) -m ruff check yirage backends tools tests examples
+	$(PY) -m ruff check yirage backends tools tests examples benchmark demo
 
 # The conformance kit is independent case by case and bound by compiling (numba, PoCL): two workers on the
 # two cores (pytest-xdist); everything else runs in one process (decode tests spin threads and time Ctrl-C).
