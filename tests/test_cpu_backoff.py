@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,3 +73,20 @@ def test_decode_under_cpu_hogs_matches_transformers(zoo) -> None:
     print(f"idle threads yielded {backoff['yields']} and slept {backoff['sleeps']} times in the last run")
     assert set(backoff) == {"yields", "sleeps"} and min(backoff.values()) >= 0
     assert torch.equal(result.tokens, reference.tokens)
+
+
+def test_an_idle_worker_yields_or_sleeps_while_the_other_runs_a_long_task(tmp_path: Path) -> None:
+    """One task per layer and two workers: one worker waits while the other streams a whole projection (~0.3 ms
+    for gate/up here), far past the spin phase, so the backoff must have yielded or slept at least once."""
+    config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=2,
+                                      num_attention_heads=8, vocab_size=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    engine = InferEngine(str(tmp_path), backend="cpu", num_workers=2, num_local_schedulers=0, tasks_per_layer=1)
+    ids = torch.randint(0, 4096, (1, 4), generator=torch.Generator().manual_seed(0))
+    engine.generate(ids, GenerationConfig(max_new_tokens=8, eos_token_id=()))
+    runtime = next(iter(engine._decoders.values())).runtime
+    if runtime.effective()[1] < 2:
+        pytest.skip("one worker thread here (numba's thread count): no worker waits for another")
+    backoff = runtime.last_backoff
+    assert backoff["yields"] + backoff["sleeps"] > 0, backoff
