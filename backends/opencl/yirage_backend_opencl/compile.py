@@ -4,7 +4,7 @@
 launch it (buffers, kernels in order, scratch, status checks), so the cache
 entry alone is enough to load: ``load`` builds the program once and keeps one
 ``cl.Kernel`` per launch (re-creating one costs ~250 us). A call wraps its
-input and output torch CPU tensors in ``cl.Buffer`` objects (~0.3 us each): on a device that shares host memory
+input and output torch CPU tensors in ``cl.Buffer`` objects (~1-2 us each): on a device that shares host memory
 (PoCL) with ``USE_HOST_PTR``, so no per-call copy is made, otherwise with a
 copy in and a read back; float16 and bfloat16 tensors are passed as they are
 (the kernels convert). Temporaries and scratch buffers are the program's,
@@ -12,7 +12,12 @@ allocated once; the torch tensors of a call stay referenced until its one
 wait; outputs are synchronized by mapping them (a no-op copy when the device
 uses the host pointer). A call not known to be short (<= ``SLICED_AFTER``) is
 waited for in short Python sleeps, so Ctrl-C interrupts it (``finish()``
-blocks in C); its tensors stay referenced until the queue drains.
+blocks in C); its tensors stay referenced until the queue drains. A ``Gemm``
+step (a large matmul on a CPU device that shares host memory: ``devices``)
+waits for the kernels before it by mapping its buffers and runs torch's BLAS
+on them; that matmul, like any torch op, finishes before Ctrl-C is seen. The
+device a program runs on (``devices.small_device()`` for small plans) is
+chosen when it is loaded.
 """
 
 from __future__ import annotations
