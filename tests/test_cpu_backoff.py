@@ -76,9 +76,10 @@ def test_decode_under_cpu_hogs_matches_transformers(zoo) -> None:
 
 
 def test_an_idle_worker_yields_or_sleeps_while_the_other_runs_a_long_task(tmp_path: Path) -> None:
-    """One task per layer and two workers: one worker waits while the other streams a whole projection (~0.3 ms
-    for gate/up here), far past the spin phase, so the backoff must have yielded or slept at least once."""
-    config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=2,
+    """One task per layer and two workers: one worker waits while the other streams a whole projection (gate/up:
+    32 MiB, larger than the L3, so >= 0.3 ms at any read speed), far past the ~60 us spin phase, so the backoff
+    must have yielded or slept at least once."""
+    config = transformers.LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
                                       num_attention_heads=8, vocab_size=4096, tie_word_embeddings=False)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
