@@ -13,13 +13,15 @@ Peers take turns round by round (drift hits them alike); each figure is min / me
 ``--rounds``. The bound is weight bytes read per token / the best measured read bandwidth (torch sum and a
 numba prange sum over 256 MiB, measured in this run); ratios compare medians within one model and dtype.
 ``--busy N`` repeats every round with N competing CPU-bound processes running and reports each peer's
-slowdown against its own quiet median. q8_0 / q4_0 run llama.cpp only until yirage decodes quantized weights.
+slowdown against its own quiet median. q8_0 / q4_0: yirage quantizes the float weights on load with ggml's
+quantizers, so it and llama.cpp (its GGUF written by the gguf package) decode the same blocks.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import statistics
 import subprocess
@@ -51,8 +53,9 @@ MODELS: dict[str, dict[str, Any]] = {
                num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5,
                rope_theta=100000.0, max_position_embeddings=8192),
 }
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "q8_0": None, "q4_0": None}
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "q8_0": "q8_0", "q4_0": "q4_0"}
 BYTES_PER_WEIGHT = {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # GGUF block sizes
+QUANT = ("q8_0", "q4_0")
 HF_DTYPES = ("f32", "bf16")  # HF eager in f16 on a CPU is an fp16-emulation benchmark, not a peer
 YIRAGE, LLAMA, HF = "yirage cpu", "llama.cpp", "HF eager"
 
@@ -195,10 +198,9 @@ def busy(n: int) -> Iterator[None]:
 
 def peers_for(model: Model, dtype: str, args: argparse.Namespace, workdir: Path) -> dict[str, Callable[[], float]]:
     peers: dict[str, Callable[[], float]] = {}
-    if DTYPES[dtype] is not None:
-        engine = InferEngine(model.path, backend="cpu", dtype=DTYPES[dtype])
-        yirage_run(engine, model.ids, 4)  # JIT / cache load
-        peers[YIRAGE] = lambda: yirage_run(engine, model.ids, args.tokens)
+    engine = InferEngine(model.path, backend="cpu", dtype=DTYPES[dtype])  # q8_0 / q4_0: quantized on load
+    yirage_run(engine, model.ids, 4)  # JIT / cache load
+    peers[YIRAGE] = lambda: yirage_run(engine, model.ids, args.tokens)
     if not args.no_llama_cpp:
         path = gguf_for(model, dtype, workdir)
         peers[LLAMA] = lambda: llama_cpp.bench_decode(path, tokens=args.tokens, threads=args.threads,
@@ -214,8 +216,6 @@ _casts: dict[tuple[int, Any], Any] = {}
 
 
 def _cast(model: Any, dtype: Any) -> Any:
-    import copy
-
     key = (id(model), dtype)
     if key not in _casts:
         _casts[key] = copy.deepcopy(model).to(dtype)
@@ -245,14 +245,28 @@ def summarize(samples: dict[str, list[float]], bound_ms: float) -> dict[str, dic
     return out
 
 
-def greedy_agreement(model: Model, tokens: int) -> float:
-    """Share of the first ``tokens`` greedy tokens (f32 weights) where yirage equals transformers, up to the first
-    difference counted as all different after it (a decode that diverges once continues from other text)."""
-    ours = InferEngine(model.path, backend="cpu").generate(
+def greedy_agreement(model: Model, tokens: int, dtype: str = "f32") -> float:
+    """Share of the first ``tokens`` greedy tokens where yirage equals transformers in float32, up to the first
+    difference counted as all different after it (a decode that diverges once continues from other text).
+
+    q8_0 / q4_0: transformers runs on the weights quantized and dequantized by the gguf package (what yirage
+    keeps as blocks), the issue's reference; other dtypes compare with the f32 weights."""
+    ours = InferEngine(model.path, backend="cpu", dtype=DTYPES[dtype] if dtype in QUANT else None).generate(
         model.ids, GenerationConfig(max_new_tokens=tokens, eos_token_id=())).tokens[0].tolist()
+    oracle = model.hf
+    if dtype in QUANT:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize, quantize
+
+        kind = GGMLQuantizationType[dtype.upper()]
+        oracle = copy.deepcopy(model.hf)
+        with torch.no_grad():
+            for p in oracle.parameters():
+                if p.dim() == 2:
+                    p.copy_(torch.from_numpy(dequantize(quantize(p.numpy(), kind), kind)).view(p.shape))
     with torch.no_grad():
-        theirs = model.hf.generate(model.ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)[0, model.ids.shape[1]:].tolist()
+        theirs = oracle.generate(model.ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0, model.ids.shape[1]:].tolist()
     same = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), len(ours))
     return same / len(ours)
 
@@ -337,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             entry["dtypes"][dtype] = row
         if not args.no_hf:
             entry["greedy_tokens_match_hf_f32"] = greedy_agreement(model, args.tokens)
+            for dtype in (d for d in args.dtypes if d in QUANT):  # against transformers on the dequantized weights
+                entry[f"greedy_tokens_match_hf_{dtype}"] = greedy_agreement(model, args.tokens, dtype)
         if args.sweep:
             entry["sweep_tokens_per_s"] = sweep(model, args.tokens)
         if args.profile:
@@ -369,9 +385,11 @@ def print_report(results: dict[str, Any]) -> None:
                     line += f"{b['median']:>10.2f}{b['slowdown']:>9.2f}x"
                 print(line)
             print(f"{'':<6}bound {row['bound_ms']:.2f} ms/token")
-        if "greedy_tokens_match_hf_f32" in entry:
-            print(f"  greedy tokens (f32) equal to transformers' for the first "
-                  f"{entry['greedy_tokens_match_hf_f32']:.0%} of the {results['tokens']}")
+        for key in (k for k in entry if k.startswith("greedy_tokens_match_hf_")):
+            dtype = key.removeprefix("greedy_tokens_match_hf_")
+            against = "on the same dequantized weights" if dtype in QUANT else "in f32"
+            print(f"  greedy tokens ({dtype}) equal to transformers' ({against}) for the first "
+                  f"{entry[key]:.0%} of the {results['tokens']}")
         for dtype, row in entry["dtypes"].items():
             if busy and YIRAGE in row.get("busy", {}):
                 print("  " + busy_verdict(dtype, row, busy))

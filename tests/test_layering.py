@@ -23,7 +23,7 @@ PACKAGE = Path(yirage.__file__).resolve().parent
 #: that share a layer are independent of each other. Names are packages or modules under yirage.
 LAYERS: list[tuple[str, ...]] = [
     ("yirage.errors", "yirage.log", "yirage.locks", "yirage.system"),  # leaves: no yirage imports
-    ("yirage.config",),
+    ("yirage.config", "yirage.quant"),  # settings; quantized block formats (data, no IR)
     ("yirage.graph",),  # pure IR: dtypes, ops, KernelGraph, JSON
     ("yirage.compiler",),  # fusion, kernel IR, lowering, the build cache
     ("yirage.codegen",),  # backend-neutral code generation over the kernel IR

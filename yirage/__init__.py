@@ -37,6 +37,7 @@ from yirage.graph.kernel_graph import KernelGraph, Tensor
 from yirage.graph.ops import GraphError
 from yirage.log import configure_from_environment as _configure_logging
 from yirage.persistent.kernel import PersistentKernel
+from yirage.quant import QuantizedTensor, quantize
 from yirage.reference import backend as _reference_backend  # noqa: F401 - registers the built-in oracle plugin
 from yirage.reference.graph import run_reference
 from yirage.runtime.graphs import new_kernel_graph  # also installs the compiler behind g.compile() and g(...)
@@ -63,6 +64,7 @@ __all__ = [
     "InferEngine",
     "KernelGraph",
     "PersistentKernel",
+    "QuantizedTensor",
     "Tensor",
     "bfloat16",
     "float16",
@@ -71,6 +73,7 @@ __all__ = [
     "int32",
     "int64",
     "new_kernel_graph",
+    "quantize",
     "run_reference",
     "get_available_backends",
     "get_backend",

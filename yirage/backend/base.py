@@ -167,6 +167,9 @@ class Backend:
     # -- filled in by the compiler and runtime layers --------------------
     #: dtypes this backend compiles kernel graphs for; empty: it cannot yet
     kernel_dtypes: ClassVar[frozenset[str]] = frozenset()
+    #: weight formats its PersistentKernel runtime reads: float dtypes, and quantized block formats
+    #: (yirage.quant: "q8_0", "q4_0") only where its task bodies dequantize them
+    persistent_weight_formats: ClassVar[frozenset[str]] = frozenset({"float32", "bfloat16", "float16"})
     #: optional: a method ``compile_check(self)`` for machines without the device, compiling every
     #: conformance-kit kernel without running it; returns an object with ``ok: bool`` and ``summary() -> str``
     #: (``backend_manager.py test NAME`` runs it when the backend is unavailable here)

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from yirage.errors import NotSupportedError, YirageError
+from yirage.quant import FORMATS as QUANT_FORMATS
+from yirage.quant import QuantizedTensor, quantize
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 
@@ -215,16 +217,27 @@ WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def resolve_dtype(dtype: Any) -> Any:
-    """None (keep the checkpoint's), a torch float dtype, or its name ("float16", "torch.bfloat16")."""
+    """None (keep the checkpoint's), a torch float dtype, or its name ("float16", "torch.bfloat16"); or a
+    quantized block format ("q8_0", "q4_0": returned as that string)."""
     import torch
 
     if dtype is None:
         return None
     name = dtype.removeprefix("torch.") if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if isinstance(dtype, str) and name.lower() in QUANT_FORMATS:
+        return name.lower()
     if not isinstance(dtype, (str, torch.dtype)) or name not in WEIGHT_DTYPES:
-        raise ModelError(f"dtype={dtype!r} is not supported; pass None (the checkpoint's dtype) or one of "
-                         f"{', '.join(WEIGHT_DTYPES)} (a torch.dtype or its name)")
+        raise ModelError(f"dtype={dtype!r} is not supported; pass None (the checkpoint's dtype), one of "
+                         f"{', '.join(WEIGHT_DTYPES)} (a torch.dtype or its name), or a weight-only quantized "
+                         f"format: {', '.join(QUANT_FORMATS)}")
     return getattr(torch, name)
+
+
+def dense(weight: Any) -> Any:
+    """A weight as float32 for the torch prefill (quantized matrices dequantized)."""
+    import torch
+
+    return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight.to(torch.float32)
 
 
 def divisor_near(n: int, target: int) -> int:
@@ -256,7 +269,15 @@ class LlamaModel:
         c = config
         dtype = resolve_dtype(dtype)
         w = {k.removeprefix("model."): v for k, v in weights.items()}
+        fmt = dtype if isinstance(dtype, str) else None  # weight-only quantization: matrices as blocks
+        if fmt:
+            bad = [(n, shape) for n, shape in c.weight_shapes().items() if len(shape) == 2 and shape[1] % 32]
+            if bad:
+                raise ModelError(f"dtype={fmt!r} quantizes every matrix in blocks of 32 values along its rows, but "
+                                 f"{bad[0][0]} is {bad[0][1]}; use a float dtype for this model")
+            dtype = torch.float32
         cast = (lambda t: t.to(dtype).contiguous()) if dtype is not None else (lambda t: t.contiguous())
+        matrix = (lambda t: quantize(t, fmt)) if fmt else cast
         shapes = c.weight_shapes()
 
         def get(name: str) -> Any:
@@ -270,10 +291,10 @@ class LlamaModel:
             return t
 
         _warn_unused_layers(w, c.layers)
-        self.embed = cast(get("embed_tokens.weight"))
+        self.embed = matrix(get("embed_tokens.weight"))
         self.norm = cast(get("norm.weight"))
         tied = "lm_head.weight" not in w and c.tie_embeddings
-        self.lm_head = self.embed if tied else cast(get("lm_head.weight"))
+        self.lm_head = self.embed if tied else matrix(get("lm_head.weight"))
         order = self._qkv_order()
         self.blocks = []
         for i in range(c.layers):
@@ -281,11 +302,11 @@ class LlamaModel:
             qkv = torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])[order]
             block = {
                 "ln1": cast(get(p + "input_layernorm.weight")),
-                "qkv": cast(qkv),
-                "o": cast(get(p + "self_attn.o_proj.weight")),
+                "qkv": matrix(qkv),
+                "o": matrix(get(p + "self_attn.o_proj.weight")),
                 "ln2": cast(get(p + "post_attention_layernorm.weight")),
-                "gate_up": cast(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
-                "down": cast(get(p + "mlp.down_proj.weight")),
+                "gate_up": matrix(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
+                "down": matrix(get(p + "mlp.down_proj.weight")),
             }
             if c.qkv_bias:
                 block["qkv_bias"] = cast(torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])[order])
@@ -323,8 +344,10 @@ class LlamaModel:
         """
         from yirage.models.gguf import read_gguf
 
-        config, weights, info = read_gguf(path, dtype)
-        model = cls(config, weights)
+        fmt = resolve_dtype(dtype)
+        quantized = isinstance(fmt, str)  # read as float32, then quantize (Q8_0/Q4_0 files round-trip exactly)
+        config, weights, info = read_gguf(path, None if quantized else fmt)
+        model = cls(config, weights, fmt if quantized else None)
         model.gguf = info
         return model
 
@@ -378,11 +401,12 @@ class LlamaModel:
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= c.vocab:
             raise ModelError(f"input_ids must lie in [0, vocab_size={c.vocab})")
         f32 = torch.float32
-        x = self.embed[input_ids].to(f32)
+        x = self.embed.dequantize(input_ids) if isinstance(self.embed, QuantizedTensor) else \
+            self.embed[input_ids].to(f32)
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # (B, T, 1, D)
         for i, blk in enumerate(self.blocks):
             h = F.rms_norm(x, (c.hidden,), blk["ln1"].to(f32), c.eps)
-            qkv = h @ blk["qkv"].to(f32).t()
+            qkv = h @ dense(blk["qkv"]).t()
             if "qkv_bias" in blk:
                 qkv = qkv + blk["qkv_bias"].to(f32)
             qkv = qkv.view(b, t, c.kv_heads, c.group + 2, d)
@@ -401,12 +425,12 @@ class LlamaModel:
                 mask = torch.arange(end)[None, :] > positions[row][:, None]  # causal over cache positions
                 scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
                 out[row] = torch.einsum("tgjs,gsd->tgjd", torch.softmax(scores, -1), vals)
-            x = x + out.reshape(b, t, c.heads * d) @ blk["o"].to(f32).t()
+            x = x + out.reshape(b, t, c.heads * d) @ dense(blk["o"]).t()
             h = F.rms_norm(x, (c.hidden,), blk["ln2"].to(f32), c.eps)
-            gu = h @ blk["gate_up"].to(f32).t()
-            x = x + (F.silu(gu[..., :c.intermediate]) * gu[..., c.intermediate:]) @ blk["down"].to(f32).t()
+            gu = h @ dense(blk["gate_up"]).t()
+            x = x + (F.silu(gu[..., :c.intermediate]) * gu[..., c.intermediate:]) @ dense(blk["down"]).t()
         x = F.rms_norm(x, (c.hidden,), self.norm.to(f32), c.eps)
-        return x @ self.lm_head.to(f32).t()
+        return x @ dense(self.lm_head).t()
 
     # -- decode as a PersistentKernel ---------------------------------------------------------
     def build_decoder(self, step: Any, tokens: Any, backend: Any = None, num_workers: int | None = None,

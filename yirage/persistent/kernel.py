@@ -25,6 +25,8 @@ from yirage.persistent.guard import Snapshot, check_disjoint, check_tensor, refu
 from yirage.persistent.layers import Layer, LayerError, PKTensor, require, split_ok
 from yirage.persistent.program import PersistentProgram, build_program
 from yirage.persistent.task_graph import TaskGraph
+from yirage.quant import FORMATS as QUANT_FORMATS
+from yirage.quant import QuantizedTensor
 
 _FLOATS = ("float32", "bfloat16", "float16")
 
@@ -117,9 +119,23 @@ class PersistentKernel:
         return t
 
     def attach_input(self, torch_tensor: Any, name: str) -> PKTensor:
-        """A tensor living in torch memory: weights, KV caches, RoPE tables."""
+        """A tensor living in torch memory: weights, KV caches, RoPE tables.
+
+        A matrix weight may also be a ``yirage.quant.QuantizedTensor`` (Q8_0/Q4_0 blocks) on a backend whose
+        runtime reads that format (``persistent_weight_formats``); its PKTensor has the logical (N, K) dims.
+        """
         import torch
 
+        if isinstance(torch_tensor, QuantizedTensor):
+            fmt = torch_tensor.format
+            if fmt not in self.backend.persistent_weight_formats:
+                readable = sorted(self.backend.persistent_weight_formats)
+                raise NotSupportedError(f"attach_input({name!r}): backend {self.backend.name!r}'s PersistentKernel "
+                                        f"runtime does not read {fmt} weights (it reads {', '.join(readable)}); "
+                                        "use backend='cpu' (or 'reference'), or pass qt.dequantize() instead")
+            check_tensor(torch_tensor.blocks, f"attach_input({name!r}) ({fmt} blocks) on backend "
+                         f"{self.backend.name!r}", self._device_type)
+            return self._register(name, torch_tensor.shape, fmt, True, torch_tensor.blocks)
         if not isinstance(torch_tensor, torch.Tensor):
             raise LayerError(f"attach_input({name!r}): expected a torch.Tensor, got {type(torch_tensor).__name__}")
         check_tensor(torch_tensor, f"attach_input({name!r}) on backend {self.backend.name!r}", self._device_type)
@@ -147,7 +163,12 @@ class PersistentKernel:
             raise LayerError(f"{layer}: {role} {t.name!r} is read before any layer writes it; "
                              "add the layer that produces it first")
         if kind == "weight" and t.dtype not in _FLOATS:
-            raise LayerError(f"{layer}: {role} {t.name!r} is {t.dtype}; weights must be one of {_FLOATS}")
+            raise LayerError(f"{layer}: {role} {t.name!r} is {t.dtype}; weights must be one of {_FLOATS}"
+                             + (" (quantized blocks are for matrices: linear and embed weights)"
+                                if t.dtype in QUANT_FORMATS else ""))
+        if kind == "matrix" and t.dtype not in _FLOATS + QUANT_FORMATS:
+            raise LayerError(f"{layer}: {role} {t.name!r} is {t.dtype}; matrix weights must be one of "
+                             f"{_FLOATS + QUANT_FORMATS}")
         if kind == "activation" and t.attached and t is not self.tokens_tensor and t.dtype != "float32":
             raise LayerError(f"{layer}: {role} {t.name!r} is {t.dtype}; attach activations, KV caches and "
                              "RoPE tables as float32 (only weights may be bfloat16/float16)")
@@ -179,7 +200,7 @@ class PersistentKernel:
     def embed_layer(self, input: PKTensor, weight: PKTensor, output: PKTensor, grid_dim: Any = 1,
                     block_dim: Any = None) -> None:
         name = "embed_layer"
-        input, weight = self._own(name, "input", input), self._own(name, "weight", weight, "weight")
+        input, weight = self._own(name, "input", input), self._own(name, "weight", weight, "matrix")
         require(input is self.tokens_tensor, name, "input must be the tokens meta tensor (the current token is read "
                                                    "at tokens[b, step[b]])")
         require(len(weight.dims) == 2, name, f"weight must be (vocab, hidden), got {weight.dims}")
@@ -198,7 +219,7 @@ class PersistentKernel:
                 f"input must be (batch={self.batch}, K), got {x.dims}")
         k = x.dims[1]
         self._dims(name, "weight_norm", self._own(name, "weight_norm", weight_norm, "weight"), (k,))
-        w = self._own(name, "weight_linear", weight_linear, "weight")
+        w = self._own(name, "weight_linear", weight_linear, "matrix")
         require(len(w.dims) == 2 and w.dims[1] == k, name,
                 f"weight_linear must be (N, {k}) like nn.Linear, got {w.dims}")
         self._dims(name, "output", output, (self.batch, w.dims[0]))
@@ -269,7 +290,7 @@ class PersistentKernel:
     def _linear_residual(self, kind: str, input: PKTensor, weight: PKTensor, residual: PKTensor, output: PKTensor,
                          grid_dim: Any, widen: int) -> None:
         name = f"{kind}_layer"
-        x, w = self._own(name, "input", input), self._own(name, "weight", weight, "weight")
+        x, w = self._own(name, "input", input), self._own(name, "weight", weight, "matrix")
         r = self._own(name, "residual", residual)
         require(len(w.dims) == 2, name, f"weight must be (N, K) like nn.Linear, got {w.dims}")
         self._dims(name, "input", x, (self.batch, w.dims[1] * widen))

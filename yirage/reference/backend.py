@@ -39,6 +39,7 @@ class ReferenceBackend(Backend):
         return host_memory_info()
 
     kernel_dtypes = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
+    persistent_weight_formats = frozenset({"float32", "bfloat16", "float16", "q8_0", "q4_0"})
 
     def persistent_runtime(self, program: Any, config: Any) -> Any:
         from yirage.reference.persistent import ReferenceRuntime

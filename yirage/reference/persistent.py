@@ -18,6 +18,8 @@ from yirage.errors import NotSupportedError
 from yirage.persistent.layers import Layer
 from yirage.persistent.program import PersistentProgram
 from yirage.persistent.specs import FloatCol, IntCol
+from yirage.quant import FORMATS as QUANT_FORMATS
+from yirage.quant import dequantize
 
 Body = Callable[[Layer, int, Any, int, int], None]
 
@@ -39,6 +41,8 @@ class ReferenceRuntime:
                                     "add one to ReferenceRuntime.bodies")
         self.values: dict[str, Any] = dict(program.values)
         for t in program.tensors:
+            if t.dtype in QUANT_FORMATS:  # the oracle reads quantized weights as their float32 values
+                self.values[t.name] = dequantize(self.values[t.name], t.dtype, t.dims[1])
             if not t.attached:
                 dtype = torch.int64 if t.dtype.startswith("int") else torch.float32
                 self.values[t.name] = torch.zeros(t.dims, dtype=dtype, device=program.tokens.device)  # not ambient

@@ -54,6 +54,7 @@ class CPUBackend(yirage.Backend):
         return host_memory_info()
 
     kernel_dtypes = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
+    persistent_weight_formats = frozenset({"float32", "bfloat16", "float16", "q8_0", "q4_0"})
 
     def persistent_runtime(self, program: Any, config: Any) -> Any:
         from yirage_backend_cpu.pk_runtime import CPUPersistentRuntime

@@ -37,6 +37,7 @@ from yirage.persistent.program import PersistentProgram
 from yirage.persistent.specs import FloatCol, IntCol, kind_code
 from yirage_backend_cpu.atomics import atomic_add, atomic_load, atomic_store, cycle_counter
 from yirage_backend_cpu.backoff import SLEEP_US, SPIN_CYCLES, YIELD_CYCLES, cpu_relax, os_yield, sleep_us
+from yirage_backend_cpu.pk_quant import Q4_0, Q4_BYTES, Q8_0, Q8_BYTES, dtype_code
 from yirage_backend_cpu.pk_tasks import (
     ATTN,
     BF16,
@@ -62,7 +63,8 @@ from yirage_backend_cpu.pk_tasks import (
 from yirage_backend_cpu.sources import tie_caches_to_sources
 from yirage_backend_cpu.threads import check_fork, serialized
 
-DTYPES = {"float32": F32, "bfloat16": BF16, "float16": F16, "int64": I64}
+DTYPES = {"float32": F32, "bfloat16": BF16, "float16": F16, "int64": I64, "q8_0": Q8_0, "q4_0": Q4_0}
+QUANTIZED = {"q8_0": Q8_BYTES, "q4_0": Q4_BYTES}  # bytes per block of 32 values
 YIELDS, SLEEPS = 4, 5  # flags slots after pk_tasks' four: how often idle threads yielded / slept in a run
 
 
@@ -231,14 +233,20 @@ class CPUPersistentRuntime:
             else:  # device="cpu": an ambient torch.device("meta") context must not move the kernel's memory
                 value = torch.zeros(t.dims, dtype=torch.int64 if t.dtype.startswith("int") else torch.float32,
                                     device="cpu")
-            if str(value.dtype).removeprefix("torch.") not in DTYPES:
+            dtype = t.dtype if t.dtype in QUANTIZED else str(value.dtype).removeprefix("torch.")
+            if dtype not in DTYPES:
                 raise NotSupportedError(f"tensor {t.name!r} has dtype {value.dtype}, which the CPU runtime cannot "
                                         "read")
+            if dtype in QUANTIZED and (value.dtype != torch.uint8 or value.numel() != t.dims[0] * t.dims[1] // 32
+                                       * QUANTIZED[dtype]):  # the PKTensor came from a QuantizedTensor; re-check
+                raise NotSupportedError(f"tensor {t.name!r}: {dtype} blocks of {t.dims} must be "
+                                        f"{t.dims[0] * t.dims[1] // 32 * QUANTIZED[dtype]} uint8 bytes, got "
+                                        f"{value.numel()} {value.dtype}")
             if value is not program.values.get(t.name):  # made here: the same checks as the user's tensors
                 check_tensor(value, f"the CPU runtime's buffer for {t.name!r}", "cpu", written=not t.attached)
             self.keep.append(value)
             addr.append(value.data_ptr())
-            tdt.append(DTYPES[str(value.dtype).removeprefix("torch.")])
+            tdt.append(dtype_code(dtype, value) if dtype in QUANTIZED else DTYPES[dtype])
             tnum.append(value.numel())
         self.values = dict(zip(names, self.keep, strict=True))
         self.addr, self.tdt, self.tnum = (np.array(v, np.int64) for v in (addr, tdt, tnum))
@@ -249,8 +257,8 @@ class CPUPersistentRuntime:
         for row in self.lp:
             if row[C_KIND] == ATTN:  # the rotated query and one score per cached position
                 scratch = max(scratch, int(row[C_HEAD_DIM] + row[C_SEQ]))
-            else:  # the normalized / gated input rows, or one widened row of the embed table
-                scratch = max(scratch, program.batch * max(int(row[C_K]), 1), int(row[C_N]))
+            else:  # the normalized / gated input rows and a quantized GEMV's work space, or an embed row
+                scratch = max(scratch, 2 * program.batch * max(int(row[C_K]), 1), int(row[C_N]))
         self.graph_arrays = (
             np.array(graph.task_layer, np.int64), np.array(graph.task_index, np.int64), *_csr(graph.task_events),
             np.array(graph.task_waits, np.int64), np.array(graph.event_trigger, np.int64), *_csr(graph.event_gates),

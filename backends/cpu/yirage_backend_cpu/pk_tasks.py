@@ -4,6 +4,7 @@ Every tensor is reached through its address (``tensor.data_ptr()``) in one
 table, so one compiled function can touch every weight, activation and the
 KV caches. Weights may be float32, bfloat16 or float16; narrow ones are
 widened to float32 in registers, so a decode step streams half the bytes.
+Matrices may also be Q8_0 / Q4_0 blocks, dequantized in registers (pk_quant).
 
 ``execute`` runs one task: it reads its layer through the core encoder's
 descriptor row (``lp``/``lf``, columns named by yirage.persistent.specs) and
@@ -24,13 +25,14 @@ from numba.core.registry import CPUDispatcher
 from yirage.persistent.specs import LAYER_SPECS, FloatCol, IntCol, kind_code, layout_fingerprint
 from yirage_backend_cpu.atomics import atomic_store
 from yirage_backend_cpu.kernel_lib import FASTMATH, as_pointer, fexp, fmax, fsilu, half_to_float, racc, rfma
+from yirage_backend_cpu.pk_quant import dequantize_row, is_quantized, linear_q, row_bytes
 from yirage_backend_cpu.sources import tie_caches_to_sources
 
 U = np.uint64
 F = np.float32
 OPTS = {"fastmath": FASTMATH, "error_model": "numpy", "nogil": True, "cache": True}
 
-F32, BF16, F16, I64 = 0, 1, 2, 3  # tensor dtype codes of the address table
+F32, BF16, F16, I64 = 0, 1, 2, 3  # tensor dtype codes of the address table (quantized: pk_quant's Q8_0, Q4_0)
 STOP, ERROR, ERR_VALUE, ERR_ROW = range(4)  # flags slots
 ERR_TOKEN = 1  # flags[ERROR]: a token id outside the embed table
 
@@ -150,11 +152,13 @@ def _store1(out, out_cols, b, n, s, res, bias):  # type: ignore[no-untyped-def]
 
 
 @njit(**OPTS)
-def linear(xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias):  # type: ignore[no-untyped-def]
+def linear(xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias, work):  # type: ignore[no-untyped-def]
     if w_dtype == F32:
         linear_f32(xs, batch, k, w_addr, n0, n1, out, out_cols, res, bias)
-    else:
+    elif w_dtype == BF16 or w_dtype == F16:
         linear_u16(xs, batch, k, w_addr, n0, n1, out, out_cols, res, bias, w_dtype == BF16)
+    else:  # Q8_0 / Q4_0 blocks (pk_quant.is_quantized)
+        linear_q(xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias, work)
 
 
 # -- RoPE, attention, pickers ---------------------------------------------------------------
@@ -297,7 +301,7 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
     n0 = t * cols
     if kind == EMBED:
         wid = lp[layer, EMB_W]
-        rows = tnum[wid] // n
+        rows = tnum[wid] // row_bytes(tdt[wid], n) if is_quantized(tdt[wid]) else tnum[wid] // n
         for b in range(batch):
             tok = tokens[b * tok_cols + step[b]]
             if tok < 0 or tok >= rows:  # never read outside the table: stop the run with an error instead
@@ -310,6 +314,8 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
                 src = f32s(addr[wid], tnum[wid])
                 for i in range(cols):
                     out[b * n + n0 + i] = src[tok * n + n0 + i]
+            elif is_quantized(tdt[wid]):
+                dequantize_row(addr[wid], tdt[wid], n, tok, n0, cols, out[b * n + n0:][:cols])
             else:
                 xs = scratch[:cols]
                 linear_widen(addr[wid], tdt[wid], tok * n + n0, cols, xs)
@@ -332,11 +338,13 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
             for i in range(kk):
                 ob[i] = xb[i] * inv * g[i]
         bias = f32s(addr[lp[layer, RMS_BIAS]], n) if lp[layer, RMS_BIAS] >= 0 else none
-        linear(xs, batch, k, addr[lp[layer, RMS_W]], tdt[lp[layer, RMS_W]], n0, n0 + cols, out, n, none, bias)
+        linear(xs, batch, k, addr[lp[layer, RMS_W]], tdt[lp[layer, RMS_W]], n0, n0 + cols, out, n, none, bias,
+               scratch[batch * k:])
     elif kind == LINRES:
         x = f32s(addr[lp[layer, LIN_X]], batch * k)
         res = f32s(addr[lp[layer, LIN_RES]], batch * n)
-        linear(x, batch, k, addr[lp[layer, LIN_W]], tdt[lp[layer, LIN_W]], n0, n0 + cols, out, n, res, none)
+        linear(x, batch, k, addr[lp[layer, LIN_W]], tdt[lp[layer, LIN_W]], n0, n0 + cols, out, n, res, none,
+               scratch[batch * k:])
     elif kind == SILURES:
         gu = f32s(addr[lp[layer, SILU_X]], batch * 2 * k)
         res = f32s(addr[lp[layer, SILU_RES]], batch * n)
@@ -347,7 +355,8 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
             ob = xs[b * kk:][:k]
             for i in range(kk):
                 ob[i] = fsilu(gb[i]) * gb[kk + i]
-        linear(xs, batch, k, addr[lp[layer, SILU_W]], tdt[lp[layer, SILU_W]], n0, n0 + cols, out, n, res, none)
+        linear(xs, batch, k, addr[lp[layer, SILU_W]], tdt[lp[layer, SILU_W]], n0, n0 + cols, out, n, res, none,
+               scratch[batch * k:])
     else:  # ATTN
         kv_heads, group, d, seq = lp[layer, C_KV_HEADS], lp[layer, C_GROUP], lp[layer, C_HEAD_DIM], lp[layer, C_SEQ]
         b = t // kv_heads

@@ -1,0 +1,232 @@
+"""Weight-only Q8_0 / Q4_0 decode, checked against independent oracles.
+
+The block formats against the ``gguf`` package's port of ggml's quantizers
+(byte for byte); the CPU runtime's quantized GEMV against float64 torch on the
+dequantized blocks, including zero, subnormal, inf and NaN scales; whole
+models against transformers in float32 on weights quantized and dequantized
+by ``gguf`` (the same values yirage keeps as blocks). A model test is shown
+to fail when a kernel misreads the block layout (nibbles swapped).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import yirage as yr
+from yirage.engine import GenerationConfig, InferEngine
+from yirage.errors import NotSupportedError
+from yirage.persistent.layers import LayerError
+from yirage.quant import QuantError, QuantizedTensor, dequantize, quantize
+
+gguf_quants = pytest.importorskip("gguf.quants")
+transformers = pytest.importorskip("transformers")
+from gguf import GGMLQuantizationType  # noqa: E402 - after the importorskip above
+from llm_oracle import KINDS, assert_decode_matches, reference_generate, zoo_factory  # noqa: E402
+
+FORMATS = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
+SEED = 20261123
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory):
+    return zoo_factory(tmp_path_factory)
+
+
+def awkward_matrix(seed: int, rows: int = 24, k: int = 96) -> torch.Tensor:
+    """Random rows plus blocks that test the edge cases: all zero, a negative maximum, exact ties, tiny values."""
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, k, generator=gen) * 0.05
+    w[0, :32] = 0
+    w[1, 32:64] = -w[1, 32:64].abs()
+    w[1, 40] = -1.0
+    w[2, :32] = torch.arange(32) / 2 - 8  # halves: roundf's ties
+    w[3, :32] *= 1e-6  # scale below half's normal range: a subnormal d
+    w[4, 64:] = 7.0
+    return w
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_blocks_are_ggml_bytes_and_dequantize_like_gguf(fmt) -> None:
+    w = awkward_matrix(SEED)
+    ours = quantize(w, fmt)
+    theirs = gguf_quants.quantize(w.numpy(), FORMATS[fmt])
+    assert ours.shape == (24, 96) and ours.blocks.dtype == torch.uint8
+    np.testing.assert_array_equal(ours.blocks.numpy(), theirs)
+    np.testing.assert_array_equal(ours.dequantize().numpy(), gguf_quants.dequantize(theirs, FORMATS[fmt]))
+    rows = torch.tensor([[3, 0], [1, 1]])
+    torch.testing.assert_close(ours.dequantize(rows), ours.dequantize()[rows], rtol=0, atol=0)
+
+
+def test_bad_matrices_and_blocks_are_refused_with_the_fix() -> None:
+    with pytest.raises(QuantError, match="multiple of 32"):
+        quantize(torch.zeros(4, 40), "q8_0")
+    with pytest.raises(QuantError, match="NaN or inf"):
+        quantize(torch.tensor([[float("nan")] * 32]), "q4_0")
+    with pytest.raises(QuantError, match="2-D float"):
+        quantize(torch.zeros(32), "q8_0")
+    with pytest.raises(QuantError, match="unknown quantization format 'q5_k'"):
+        quantize(torch.zeros(2, 32), "q5_k")
+    with pytest.raises(QuantError, match=r"must have shape \(2, 68\)"):
+        QuantizedTensor(torch.zeros(2, 60, dtype=torch.uint8), "q8_0", (2, 64))
+    with pytest.raises(QuantError, match="torch.uint8"):
+        QuantizedTensor(torch.zeros(2, 68), "q8_0", (2, 64))
+
+
+def quant_kernel_rows(fmt: str, w: QuantizedTensor, x: torch.Tensor, bias: torch.Tensor | None,
+                      res: torch.Tensor | None) -> torch.Tensor:
+    """The CPU runtime's quantized GEMV task body over all rows."""
+    from yirage_backend_cpu import pk_quant
+
+    batch, k = x.shape
+    n = w.shape[0]
+    out = np.zeros(batch * n, np.float32)
+    none = np.empty(0, np.float32)
+    code = pk_quant.dtype_code(fmt, w.blocks)  # as the runtime classifies them (non-finite scales: exact path)
+    pk_quant.linear_q(x.contiguous().view(-1).numpy(), batch, k, w.blocks.data_ptr(), code, 0, n, out, n,
+                      none if res is None else res.contiguous().view(-1).numpy(),
+                      none if bias is None else bias.numpy(), np.zeros(2 * batch * k, np.float32))
+    return torch.from_numpy(out).view(batch, n)
+
+
+def need_cpu() -> None:
+    if not yr.is_backend_available("cpu"):
+        pytest.skip("the cpu backend is not available here")
+
+
+def error_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """The kernel's error model: x rounded per block of 32 to int16 (at most half a step of largest|x| / 32767
+    per value), plus float32 rounding of the sums."""
+    batch, k = x.shape
+    step = x.double().abs().view(batch, k // 32, 32).amax(-1) / 32767 / 2  # (batch, blocks)
+    per_block = dense.abs().view(dense.shape[0], k // 32, 32).sum(-1)  # (rows, blocks)
+    return step @ per_block.t() + 1e-5 * (x.double().abs() @ dense.abs().t())
+
+
+@pytest.mark.parametrize("k", (32, 96, 576))  # one block, an odd count (the unpaired tail), a model's hidden size
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cpu_quant_rows_match_float64_on_the_dequantized_blocks(fmt, k) -> None:
+    need_cpu()
+    gen = torch.Generator().manual_seed(SEED + k)
+    print(f"seed {SEED + k}")
+    awkward = awkward_matrix(SEED, 8, 96).repeat(1, k // 32 + 1)[:, :k]  # its edge-case blocks, cut to K
+    w = quantize(torch.cat([awkward, torch.randn(40, k, generator=gen)]), fmt)
+    x = torch.randn(2, k, generator=gen)
+    bias, res = torch.randn(48, generator=gen), torch.randn(2, 48, generator=gen)
+    ours = quant_kernel_rows(fmt, w, x, bias, res)
+    dense = w.dequantize().double()
+    ref = x.double() @ dense.t() + bias.double() + res.double()
+    bound = error_bound(x, dense) + 1e-5 * (bias.abs() + res.abs())
+    err = (ours.double() - ref).abs()
+    assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, excess {float((err - bound).max()):.3g}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cpu_quant_rows_keep_ieee_specials_of_the_scale(fmt) -> None:
+    """A block scale of inf or NaN (hand-made blocks) gives inf / NaN like torch; a zero scale gives zeros."""
+    need_cpu()
+    w = quantize(torch.randn(4, 64, generator=torch.Generator().manual_seed(SEED)), fmt)
+    blocks = w.blocks.view(4, 2, -1)
+    specials = {0: 0x7C00, 1: 0x7E00, 2: 0x0000, 3: 0x0001}  # +inf, NaN, zero, the smallest subnormal
+    for row, bits in specials.items():
+        blocks[row, 1, :2] = torch.tensor([bits & 0xFF, bits >> 8], dtype=torch.uint8)
+    blocks[0, 1, 2:] = 1 if fmt == "q8_0" else 0x99  # every value of the inf block is +1 * d: the row sums to +inf
+    x = torch.rand(1, 64, generator=torch.Generator().manual_seed(SEED)) + 0.5  # positive: inf stays inf
+    ours = quant_kernel_rows(fmt, w, x, None, None)[0]
+    ref = (x.double() @ w.dequantize().double().t())[0]
+    assert ref[0] == float("inf") and ours[0] == float("inf")
+    assert torch.isnan(ref[1]) and torch.isnan(ours[1])
+    dense = w.dequantize().double()[2:]
+    assert bool(((ours[2:].double() - ref[2:]).abs() <= error_bound(x, dense)[0]).all()), (ours[2:], ref[2:])
+
+
+def quantized_oracle(model, fmt: str):
+    """transformers in float32 on matrices quantized and dequantized by gguf: what yirage keeps as blocks."""
+    oracle = copy.deepcopy(model.oracle)
+    with torch.no_grad():
+        for p in oracle.parameters():
+            if p.dim() == 2:
+                blocks = gguf_quants.quantize(p.detach().numpy(), FORMATS[fmt])
+                p.copy_(torch.from_numpy(gguf_quants.dequantize(blocks, FORMATS[fmt])).view(p.shape))
+    return oracle
+
+
+def greedy() -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=32, eos_token_id=(), output_logits=True)
+
+
+@pytest.mark.parametrize("backend", ("cpu", "reference"))
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantized_decode_matches_transformers_on_the_dequantized_weights(kind, fmt, backend, zoo) -> None:
+    if backend == "cpu":
+        need_cpu()
+    model = zoo(kind)
+    reference = reference_generate(quantized_oracle(model, fmt), model.reference.ids)
+    engine = InferEngine(model.path, backend=backend, dtype=fmt)
+    qkv = engine.model.blocks[0]["qkv"]
+    assert isinstance(qkv, QuantizedTensor) and qkv.format == fmt  # kept as blocks: the bytes a step reads
+    result = engine.generate(model.reference.ids, greedy())
+    assert_decode_matches(reference, result.tokens, result.logits, label=f"{model.label}, {fmt} on {backend}")
+
+
+def test_the_quantized_comparison_fails_when_a_kernel_swaps_the_nibbles(zoo) -> None:
+    """The oracle sees a misread block layout: one layer's Q4_0 nibbles swapped, as a kernel bug would read them."""
+    need_cpu()
+    model = zoo("llama-gqa")
+    reference = reference_generate(quantized_oracle(model, "q4_0"), model.reference.ids)
+    engine = InferEngine(model.path, backend="cpu", dtype="q4_0")
+    gate_up = engine.model.blocks[0]["gate_up"].blocks.view(-1, 18)
+    gate_up[:, 2:] = (gate_up[:, 2:] >> 4) | (gate_up[:, 2:] << 4)
+    result = engine.generate(model.reference.ids, greedy())
+    with pytest.raises(AssertionError, match="decode logits differ"):
+        assert_decode_matches(reference, result.tokens, result.logits)
+
+
+def test_quantized_gguf_files_round_trip_exactly(tmp_path, zoo) -> None:
+    """A Q8_0 / Q4_0 GGUF read with dtype='q8_0' / 'q4_0' keeps the file's values: re-quantizing them is lossless."""
+    from yirage.models.gguf_export import export_gguf
+    from yirage.models.llama import LlamaModel
+
+    model = zoo("llama-gqa")  # its q/k rows are permuted in the file and restored on load: whole rows, whole blocks
+    for fmt in FORMATS:
+        path = export_gguf(tmp_path / f"m-{fmt}.gguf", model.oracle.config, model.oracle.state_dict(), fmt.upper())
+        floats, blocks = LlamaModel.from_gguf(path), LlamaModel.from_gguf(path, dtype=fmt)
+        for name in ("qkv", "o", "gate_up", "down"):
+            torch.testing.assert_close(blocks.blocks[1][name].dequantize(), floats.blocks[1][name], rtol=0, atol=0)
+        torch.testing.assert_close(blocks.lm_head.dequantize(), floats.lm_head, rtol=0, atol=0)
+
+
+def test_backends_that_cannot_read_blocks_refuse_them_at_attach() -> None:
+    from yirage.backend.selection import registry
+
+    refusing = [b.value for b in yr.get_available_backends()
+                if "q8_0" not in registry().get(b.value).persistent_weight_formats]
+    if not refusing:
+        pytest.skip("every available backend reads quantized weights")
+    step, tokens = torch.zeros(1, dtype=torch.int64), torch.zeros(1, 8, dtype=torch.int64)
+    pk = yr.PersistentKernel(max_seq_length=8, meta_tensors=[step, tokens], backend=refusing[0])
+    with pytest.raises(NotSupportedError, match="does not read q8_0 weights.*backend='cpu'"):
+        pk.attach_input(quantize(torch.randn(64, 32), "q8_0"), "w")
+
+
+def test_quantized_blocks_are_only_for_matrices() -> None:
+    step, tokens = torch.zeros(1, dtype=torch.int64), torch.zeros(1, 8, dtype=torch.int64)
+    pk = yr.PersistentKernel(max_seq_length=8, meta_tensors=[step, tokens], backend="reference")
+    norm = pk.attach_input(quantize(torch.randn(1, 32), "q8_0"), "norm")
+    weight = pk.attach_input(quantize(torch.randn(64, 32), "q8_0"), "w")
+    x = pk.new_tensor((1, 32), name="x")
+    pk.embed_layer(pk.tokens_tensor, pk.attach_input(torch.randn(64, 32), "embed"), x)
+    with pytest.raises(LayerError, match="quantized blocks are for matrices"):
+        pk.rmsnorm_linear_layer(x, norm, weight, pk.new_tensor((1, 64), name="y"))
+
+
+def test_blocks_read_outside_the_cpu_kernel_stay_exact() -> None:
+    """dequantize() over any leading shape is the blocks' values (the torch prefill and the reference use it)."""
+    w = quantize(awkward_matrix(SEED), "q4_0")
+    flat = dequantize(w.blocks.view(2, 12, -1), "q4_0", 96)
+    torch.testing.assert_close(flat.view(24, 96), w.dequantize(), rtol=0, atol=0)
