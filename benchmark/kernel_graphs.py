@@ -19,189 +19,49 @@ opencl backend then uses for small plans (backends/opencl/yirage_backend_opencl/
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
 import numba
 import torch
 import torch.nn.functional as F
+from timing import (
+    COMPILED,
+    EAGER,
+    TIE,
+    Call,
+    Inputs,
+    Result,
+    compiles_kernel_graphs,
+    compiling_backends,
+    fmt,
+    git_revision,
+    measure,
+    same,
+    timed,
+    torch_maker,
+    verdict,
+    yirage_makers,
+)
 
 import yirage as yr
 from yirage import system
 
-TIE = 1.15
 K = N = 4096
 EPS = 1e-6
 COLD_COPIES = 6  # 6 x 64 MiB weights: each B=1 call streams its weight from DRAM
 STREAM_MIB = 256
-SETTLE = 1  # untimed calls each time the benchmark switches to another impl (see timed)
 W2_SHAPES = ((1, 11008), (64, 11008), (1, 4096), (64, 4096))
-EAGER, COMPILED = "torch eager", "torch.compile"
 SUM_T, SUM_KN = "sum(W) (probe)", "sum(W row-major) (probe)"  # STREAM-like read of the very W copies the impls read
-
-Call = Callable[[int], Any]  # call number -> output; the number picks the weight copy for cold runs
-Maker = Callable[[], tuple[Call, float | None]]  # builds an impl: (call, yirage compile seconds or None)
-Inputs = Callable[[int], list[torch.Tensor]]
-
-
-@dataclass
-class Result:
-    workload: str
-    case: str
-    impl: str
-    median_us: float | None = None
-    p10_us: float | None = None
-    p90_us: float | None = None
-    setup_s: float | None = None  # build + compile + first call
-    backend: str | None = None  # the yirage backend of a yirage impl; None for torch impls and probes
-    variant: str = ""  # what tells a workload's yirage impls of one backend apart, e.g. "(W row-major)"
-    extra: dict[str, float] = field(default_factory=dict)  # compile_s, gbps, share_of_bound, gflops, vs_*
-    # vs_baseline: the baseline backend's median for the same variant / this median (> 1: this backend faster)
-    error: str | None = None
-
-
-def percentile(sorted_ns: list[int], q: float) -> float:
-    return sorted_ns[min(len(sorted_ns) - 1, round(q * (len(sorted_ns) - 1)))] / 1e3
-
-
-def timed(impls: dict[str, Call], reps: int, warmup: int, inner: int = 1, settle: int = SETTLE
-          ) -> tuple[dict[str, list[int]], dict[str, float]]:
-    """Per-call nanoseconds of each impl, and its minor page faults per timed call (counted outside the timed
-    window); one sample = `inner` calls, impls take turns sample by sample. Each turn starts with `settle`
-    untimed calls: the previous impl's runtime threads (torch's and numba's OpenMP pools, PoCL's workers) spin
-    for a while after its last call and would otherwise be charged to whoever runs next. Impl j's call numbers
-    are rep * (settle + inner) + j + k: with rotated weights every impl visits every copy, and consecutive calls
-    differ."""
-    samples: dict[str, list[int]] = {name: [] for name in impls}
-    faults = dict.fromkeys(impls, 0.0)
-    gc.collect()
-    gc.disable()
-    try:
-        for rep in range(warmup + reps):
-            for j, (name, fn) in enumerate(impls.items()):
-                base = rep * (settle + inner) + j
-                for k in range(settle):
-                    fn(base + k)
-                base += settle
-                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                start = time.perf_counter_ns()
-                for k in range(inner):
-                    fn(base + k)
-                elapsed = time.perf_counter_ns() - start
-                if rep >= warmup:
-                    samples[name].append(elapsed // inner)
-                    faults[name] += (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / (reps * inner)
-    finally:
-        gc.enable()
-    return samples, faults
-
-
-def measure(workload: str, case: str, makers: dict[str, Maker], ref: torch.Tensor, reps: int, warmup: int,
-            inner: int = 1, probes: dict[str, Call] | None = None, baseline: str | None = None) -> list[Result]:
-    """Build each impl, run it once and check it against `ref`, then time those that passed; a failure becomes a
-    Result with an error. `probes` (reference measurements, not impls) are timed alongside, unchecked.
-    A yirage impl of a backend other than `baseline` is also compared with the baseline's impl of its variant."""
-    ready: dict[str, Call] = {}
-    results = {name: Result(workload, case, name) for name in [*makers, *(probes or {})]}
-    for name, make in makers.items():
-        if isinstance(make, YirageMaker):
-            results[name].backend, results[name].variant = make.backend, make.variant
-    for name, make in makers.items():
-        res, start = results[name], time.perf_counter()
-        try:
-            fn, compile_s = make()
-            out = fn(0)
-            res.setup_s = time.perf_counter() - start
-            torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3 * max(1.0, float(ref.abs().max())))
-        except Exception as exc:  # noqa: BLE001 - a broken impl is reported, the others still run
-            res.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-            continue
-        if compile_s is not None:
-            res.extra["compile_s"] = compile_s
-        ready[name] = fn
-    ready.update(probes or {})
-    samples, faults = timed(ready, reps, warmup, inner)
-    for name, ns in samples.items():
-        ns.sort()
-        res = results[name]
-        res.extra["page_faults_per_call"] = faults[name]
-        res.median_us, res.p10_us, res.p90_us = statistics.median(ns) / 1e3, percentile(ns, 0.1), percentile(ns, 0.9)
-    base_us = {r.variant: r.median_us for r in results.values() if r.backend == baseline and r.median_us}
-    for res in results.values():
-        if res.backend is not None and res.median_us:
-            for peer, key in ((EAGER, "vs_eager"), (COMPILED, "vs_compile")):
-                if (peer_us := results[peer].median_us) is not None:
-                    res.extra[key] = peer_us / res.median_us
-            if res.backend != baseline and (peer_us := base_us.get(res.variant)) is not None:
-                res.extra["vs_baseline"] = peer_us / res.median_us
-    return list(results.values())
-
-
-@dataclass(frozen=True)
-class YirageMaker:
-    """Builds one yirage impl: the kernel graph `build` makes, compiled for `backend`."""
-
-    backend: str
-    variant: str
-    build: Callable[[yr.KernelGraph], None]
-    inputs: Inputs
-
-    def __call__(self) -> tuple[Call, float | None]:
-        g = yr.new_kernel_graph(backend=self.backend)
-        self.build(g)
-        exe = g.compile()
-        return (lambda i: exe(self.inputs(i))[0]), exe.compile_seconds
-
-
-def yirage_makers(backends: list[str], build: Callable[[yr.KernelGraph], None], inputs: Inputs,
-                  variant: str = "") -> dict[str, Maker]:
-    """One impl per backend, named `yirage[<backend>] <variant>`."""
-    return {f"yirage[{b}] {variant}".rstrip(): YirageMaker(b, variant, build, inputs) for b in backends}
-
-
-def compiles_kernel_graphs(name: str) -> bool:
-    """Whether backend `name` compiles a float32 kernel graph, asked through yirage's public API: compile one.
-
-    (yirage exports no query for a backend's kernel dtypes; this probe is what a user can do.)"""
-    g = yr.new_kernel_graph(backend=name)
-    g.mark_output(g.add(g.new_input((1,)), g.new_input((1,))))
-    try:
-        g.compile()
-    except (yr.NotSupportedError, yr.BackendUnavailableError):
-        return False
-    return True
-
-
-def compiling_backends() -> list[str]:
-    """The available backends that compile float32 kernel graphs, in the registry's order; not the reference
-    backend (torch eager op by op: the eager column already)."""
-    return [k.value for k in yr.get_available_backends() if k.value != "reference" and compiles_kernel_graphs(k.value)]
-
-
-def torch_maker(fn: Callable[..., torch.Tensor], inputs: Inputs, compiled: bool) -> Maker:
-    def make() -> tuple[Call, float | None]:
-        f = torch.compile(fn, dynamic=False) if compiled else fn
-        return (lambda i: f(*inputs(i))), None
-    return make
-
 
 def rotate(x: torch.Tensor, g: torch.Tensor, ws: list[torch.Tensor]) -> Inputs:
     """Inputs for call number i: the weight copies in turn, so consecutive calls read different copies."""
     return lambda i: [x, g, ws[i % len(ws)]]
-
-
-def same(ins: list[torch.Tensor]) -> Inputs:
-    return lambda i: ins
 
 
 def summed(ws: list[torch.Tensor]) -> Call:
@@ -365,25 +225,6 @@ def config(backends: list[str]) -> dict[str, Any]:
         "yirage_backends": {b: yr.get_backend_info(b)["reason"] for b in backends},
         "POCL_DEVICES": os.environ.get("POCL_DEVICES", "(unset: PoCL's default device only)"),
     }
-
-
-def git_revision() -> str:
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent, check=False).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def fmt(value: float | None, spec: str = ".1f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def verdict(ratio: float | None, ours: str = "yirage", theirs: str = "peer") -> str:
-    if ratio is None:
-        return "-"
-    word = "tie" if 1 / TIE < ratio < TIE else (ours if ratio >= TIE else theirs)
-    return f"{ratio:.2f}x {word}"
 
 
 def print_tables(cfg: dict[str, Any], bound: float | None, results: list[Result], quick: bool,
