@@ -24,7 +24,7 @@ if not yr.is_backend_available("cpu"):
 
 from numba import njit  # noqa: E402
 from yirage_backend_cpu import pk_tasks  # noqa: E402
-from yirage_backend_cpu.kernel_lib import FASTMATH, fexp, fmax, fmin, fsilu, rfma, rmax  # noqa: E402
+from yirage_backend_cpu.kernel_lib import FASTMATH, ferf, fexp, fgelu, fmax, fmin, fsilu, rfma, rmax  # noqa: E402
 
 INF, NAN = math.inf, math.nan
 SPECIAL = [NAN, INF, -INF, 1e30, -1e30, -100.0, 100.0, 1e-40, 0.0, -0.0, -88.8, -90.0, 88.8, 1.5, -3.25]
@@ -34,6 +34,18 @@ SPECIAL = [NAN, INF, -INF, 1e30, -1e30, -100.0, 100.0, 1e-40, 0.0, -0.0, -88.8, 
 def _map_exp(x, out):  # type: ignore[no-untyped-def]
     for i in range(x.shape[0]):
         out[i] = fexp(x[i])
+
+
+@njit(fastmath=FASTMATH)
+def _map_erf(x, out):  # type: ignore[no-untyped-def]
+    for i in range(x.shape[0]):
+        out[i] = ferf(x[i])
+
+
+@njit(fastmath=FASTMATH)
+def _map_gelu(x, out):  # type: ignore[no-untyped-def]
+    for i in range(x.shape[0]):
+        out[i] = fgelu(x[i])
 
 
 @njit(fastmath=FASTMATH)
@@ -148,6 +160,32 @@ def test_fmax_fmin_propagate_nan_like_torch() -> None:
     assert math.copysign(1.0, hi[3]) == math.copysign(1.0, torch.clamp(torch.tensor(-0.0), min=0.0).item())
 
 
+def test_ferf_matches_float64_erf_and_gelu_matches_torch() -> None:
+    """erf within 2 float32 ulps everywhere (both branches, the 0.875 and 4.0 seams, tiny and denormal x),
+    +-1 at +-inf, NaN for NaN; GELU within torch's own float32 rounding of erf-based GELU."""
+    x = np.concatenate([np.linspace(-6, 6, 400_001, dtype=np.float32),
+                        np.array([0.875, -0.875, np.nextafter(np.float32(0.875), np.float32(0)), 4.0, -4.0,
+                                  1e-30, -1e-30, 1e-40, 0.0, -0.0, 1e30, -1e30], np.float32)])
+    out = np.empty_like(x)
+    _map_erf(x, out)
+    want = np.array([math.erf(v) for v in x.astype(np.float64)])
+    ulp = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+    assert (np.abs(out - want) / ulp).max() <= 2.0, float((np.abs(out - want) / ulp).max())
+    assert np.array_equal(np.signbit(out[x == 0]), np.signbit(x[x == 0]))  # erf(-0.0) is -0.0
+    special = np.array([INF, -INF, NAN], np.float32)
+    got = np.empty_like(special)
+    _map_erf(special, got)
+    assert got[0] == 1.0 and got[1] == -1.0 and math.isnan(got[2])
+    gelu = np.empty_like(x)
+    _map_gelu(x, gelu)
+    theirs = torch.nn.functional.gelu(torch.from_numpy(x)).numpy().astype(np.float64)  # torch's float32 GELU
+    # 0.5 * x * (1 + erf): a few ulps of the result, plus a few ulps of 1 times |x| where 1 + erf cancels
+    bound = 1e-6 * np.abs(theirs) + np.abs(x.astype(np.float64)) * 2.0 ** -21
+    assert bool((np.abs(gelu - theirs) <= bound).all()), float((np.abs(gelu - theirs) - bound).max())
+    ir_text = "\n".join(_map_gelu.inspect_llvm().values())
+    assert re.search(r"<(4|8|16) x float>", ir_text), "the GELU loop no longer vectorizes (a scalar erf call?)"
+
+
 def test_reductions_still_vectorize_and_propagate_nan() -> None:
     gen = np.random.default_rng(0)
     x, y = gen.standard_normal(4096).astype(np.float32), gen.standard_normal(4096).astype(np.float32)
@@ -195,7 +233,7 @@ def test_gemv_tile_propagates_special_values_like_torch() -> None:
     out = np.full(2 * n, -7.0, np.float32)
     none = np.empty(0, np.float32)
     xs = x.flatten().numpy().copy()
-    pk_tasks.linear(xs, 2, k, w.data_ptr(), pk_tasks.F32, 0, n, out, n, none, none)
+    pk_tasks.linear(xs, 2, k, w.data_ptr(), pk_tasks.F32, 0, n, out, n, none, none, np.zeros(4 * k, np.float32))
     want = x.double() @ w.double().t()
     got = torch.from_numpy(out).view(2, n)
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[want.isinf()], want[want.isinf()].float())
