@@ -10,7 +10,7 @@ products summed in pairs (vpmaddwd on x86), converted once and scaled by
 dx * d into a vector accumulator; one horizontal sum per row, two rows at a
 time sharing x's loads. x with inf or NaN takes the float32 path
 (``dot_q8``/``dot_q4``), so such results stay torch's. A block's half
-scale is read from a 65536-entry float32 table. The vectors are portable
+scale is widened in integer registers (_scale). The vectors are portable
 LLVM types (one zmm register each on an AVX-512 host; LLVM splits them
 elsewhere). No fast-math flags: every operation rounds as written.
 int8 x through VNNI (vpdpbusd, llama.cpp's way) measured no faster in decode
@@ -32,6 +32,7 @@ I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64
 F32 = ir.FloatType()
 VF, VB = ir.VectorType(F32, LANES), ir.VectorType(I8, LANES)
 VI32, VI16W, VI32W = ir.VectorType(I32, LANES), ir.VectorType(I16, 2 * LANES), ir.VectorType(I32, 2 * LANES)
+VI16, VI32W_IDX = ir.VectorType(I16, LANES), ir.VectorType(I32, 2 * LANES)  # 16 halves; a 32-lane shuffle mask
 Emit = Callable[[ir.IRBuilder, list[ir.Value], ir.Value, list[list[ir.Value]]], list[list[ir.Value]]]
 
 
@@ -66,15 +67,43 @@ def _quants(builder: ir.IRBuilder, block: ir.Value, q4: bool) -> tuple[ir.Value,
             builder.load(builder.bitcast(builder.gep(quants, [ir.Constant(I64, LANES)]), VB.as_pointer()), align=1))
 
 
-def _scale(builder: ir.IRBuilder, block: ir.Value, table: ir.Value) -> ir.Value:
-    """The block's half scale as float32, looked up in the 65536-entry table (ggml's way): one scalar load,
-    exact for every half (subnormal, inf, NaN). A scalar fpext of a half is lowered to an insert into some
-    live vector register, which chained each block to the previous block's accumulator (measured 2-3x)."""
-    bits = builder.zext(builder.load(builder.bitcast(block, I16.as_pointer()), align=1), I64)
-    return builder.load(builder.gep(table, [bits]), align=4)
+def _scale(builder: ir.IRBuilder, block: ir.Value) -> ir.Value:
+    """The block's half scale as float32, exactly (subnormals, inf, NaN): F16C's vcvtph2ps where the host
+    has it, else in integer registers.
+
+    Not LLVM's fpext of a scalar half: x86 lowers it to an insert into some live vector register, which
+    chained each block to the previous block's accumulator (measured 2-3x slower). Not ggml's 65536-entry
+    table either: streaming weights from DRAM evict it, and a cache miss per block measured 2.4x slower.
+    Normal halves rebias the exponent; a subnormal one (mantissa m, value m * 2^-24) is normalised with a
+    leading-zero count; exponent 31 keeps its payload (inf, NaN).
+    """
+    bits = builder.load(builder.bitcast(block, I16.as_pointer()), align=1)
+    if F16C:  # one vcvtph2ps of a vector whose other lanes are zero: no merge into a live register
+        v8 = ir.VectorType(I16, 8)
+        cvt = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VectorType(F32, 4), [v8]),
+                                             "llvm.x86.vcvtph2ps.128")
+        lanes = builder.insert_element(ir.Constant(v8, [0] * 8), bits, ir.Constant(I32, 0))
+        return builder.extract_element(builder.call(cvt, [lanes]), ir.Constant(I32, 0))
+    h = builder.zext(bits, I32)
+    magnitude = builder.and_(h, ir.Constant(I32, 0x7FFF))
+    shifted = builder.shl(magnitude, ir.Constant(I32, 13))
+    normal = builder.add(shifted, ir.Constant(I32, (127 - 15) << 23))
+    special = builder.or_(shifted, ir.Constant(I32, 0x7F800000))
+    mantissa = builder.and_(h, ir.Constant(I32, 0x3FF))
+    ctlz = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, [I32, ir.IntType(1)]), "llvm.ctlz.i32")
+    top = builder.sub(ir.Constant(I32, 31), builder.call(ctlz, [builder.or_(mantissa, ir.Constant(I32, 1)),
+                                                                ir.Constant(ir.IntType(1), 0)]))  # 0..9
+    subnormal = builder.or_(builder.shl(builder.add(top, ir.Constant(I32, 127 - 24)), ir.Constant(I32, 23)),
+                            builder.and_(builder.shl(mantissa, builder.sub(ir.Constant(I32, 23), top)),
+                                         ir.Constant(I32, 0x7FFFFF)))
+    value = builder.select(builder.icmp_unsigned(">=", magnitude, ir.Constant(I32, 0x7C00)), special, normal)
+    value = builder.select(builder.icmp_unsigned("<", magnitude, ir.Constant(I32, 0x400)), subnormal, value)
+    value = builder.select(builder.icmp_unsigned("==", magnitude, ir.Constant(I32, 0)), magnitude, value)
+    sign = builder.shl(builder.and_(h, ir.Constant(I32, 0x8000)), ir.Constant(I32, 16))
+    return builder.bitcast(builder.or_(value, sign), F32)
 
 
-def _float_block(x_ptr: ir.Value, table: ir.Value, q4: bool) -> Emit:
+def _float_block(x_ptr: ir.Value, q4: bool) -> Emit:
     """x as float32: fma(x * d, q, acc) per 16 lanes, into two accumulators per row."""
     def emit(builder: ir.IRBuilder, blocks: list[ir.Value], j: ir.Value, accs: list[list[ir.Value]]
              ) -> list[list[ir.Value]]:
@@ -86,14 +115,14 @@ def _float_block(x_ptr: ir.Value, table: ir.Value, q4: bool) -> Emit:
         out = []
         for block, (a0, a1) in zip(blocks, accs, strict=True):
             lo, hi = _quants(builder, block, q4)
-            scale = _splat(builder, _scale(builder, block, table))
+            scale = _splat(builder, _scale(builder, block))
             out.append([builder.call(fma, [builder.fmul(x0, scale), builder.sitofp(lo, VF), a0]),
                         builder.call(fma, [builder.fmul(x1, scale), builder.sitofp(hi, VF), a1])])
         return out
     return emit
 
 
-def _int16_block(xq_ptr: ir.Value, dx_ptr: ir.Value, table: ir.Value, q4: bool) -> Emit:
+def _int16_block(xq_ptr: ir.Value, dx_ptr: ir.Value, q4: bool) -> Emit:
     """x as int16 with a float scale per block: 32 exact integer products summed pairwise into 16 int32
     lanes (the multiply-add of sign-extended halves, which x86 selects as one vpmaddwd), then
     fma(float(sums), dx * d, acc) into one accumulator per row. x's block is loaded once for all rows."""
@@ -106,13 +135,21 @@ def _int16_block(xq_ptr: ir.Value, dx_ptr: ir.Value, table: ir.Value, q4: bool) 
         dx = builder.load(builder.gep(dx_ptr, [j]), align=4)
         out = []
         for block, (acc,) in zip(blocks, accs, strict=True):
-            lo, hi = _quants(builder, block, q4)
-            both = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(I32, 2 * LANES), list(range(2 * LANES))))
+            if q4:  # nibbles widened to 16 bits first: x86 shifts 16-bit lanes natively, not bytes
+                packed = builder.zext(builder.load(builder.bitcast(builder.gep(block, [ir.Constant(I64, 2)]),
+                                                                   VB.as_pointer()), align=1), VI16)
+                lo = builder.and_(packed, ir.Constant(VI16, [15] * LANES))
+                hi = builder.lshr(packed, ir.Constant(VI16, [4] * LANES))
+                both = builder.sub(builder.shuffle_vector(lo, hi, ir.Constant(VI32W_IDX, list(range(2 * LANES)))),
+                                   ir.Constant(VI16W, [8] * 2 * LANES))
+            else:
+                lo, hi = _quants(builder, block, q4)
+                both = builder.shuffle_vector(lo, hi, ir.Constant(VI32W_IDX, list(range(2 * LANES))))
             prod = builder.mul(builder.sext(both, VI32W), x)  # |q| <= 128, |x| <= 32767: exact; pairs fit int32
             even = builder.shuffle_vector(prod, prod, ir.Constant(VI32, list(range(0, 2 * LANES, 2))))
             odd = builder.shuffle_vector(prod, prod, ir.Constant(VI32, list(range(1, 2 * LANES, 2))))
             sums = builder.sitofp(builder.add(even, odd), VF)
-            scale = _splat(builder, builder.fmul(dx, _scale(builder, block, table)))
+            scale = _splat(builder, builder.fmul(dx, _scale(builder, block)))
             out.append([builder.call(fma, [sums, scale, acc])])
         return out
     return emit
@@ -121,8 +158,8 @@ def _int16_block(xq_ptr: ir.Value, dx_ptr: ir.Value, table: ir.Value, q4: bool) 
 def _rows_dot(builder: ir.IRBuilder, emit: Emit, rows: list[ir.Value], blocks: ir.Value, stride: int, width: int,
               acc_type: ir.VectorType = VF) -> list[ir.Value]:
     """One block (``stride`` bytes) per iteration for each of ``rows`` (addresses of their first block), each
-    row into its own ``width`` accumulators; then one horizontal sum per row. Two rows at once: two
-    independent dependency chains, one load of x for both, and the end-of-row work overlaps the other row's."""
+    row into its own ``width`` accumulators; then one horizontal sum per row. pk_quant passes one row: two
+    interleaved rows shared x's loads but measured half the DRAM bandwidth (two streams 612 bytes apart)."""
     w_ptrs = [builder.inttoptr(row, I8.as_pointer()) for row in rows]
     block_bytes = ir.Constant(I64, stride)
     entry = builder.block
@@ -240,7 +277,7 @@ def _pointer(builder: ir.IRBuilder, context: Any, value: ir.Value, kind: types.T
 
 
 def _signature(args: tuple[types.Type, ...], q4: bool, mode: str, rows: int):  # type: ignore[no-untyped-def]
-    """(x, [dx,] table, row addresses..., blocks) -> float32 per row; None (no match) unless all are ints.
+    """(x, [dx,] row addresses..., blocks) -> float32 per row; None (no match) unless all are ints.
 
     ``mode``: "float" (x float32) or "int16" (x int16 and its block scales dx).
     """
@@ -252,44 +289,51 @@ def _signature(args: tuple[types.Type, ...], q4: bool, mode: str, rows: int):  #
         ptrs = [_pointer(builder, context, v, t, I8) for v, t in zip(values, signature.args, strict=True)]
         as_float = [builder.bitcast(p, F32.as_pointer()) for p in ptrs]
         if mode == "int16":
-            emit = _int16_block(builder.bitcast(ptrs[0], I16.as_pointer()), as_float[1], as_float[2], q4)
-            width, first, acc = 1, 3, VF
+            emit, width, first = _int16_block(builder.bitcast(ptrs[0], I16.as_pointer()), as_float[1], q4), 1, 2
         else:
-            emit, width, first, acc = _float_block(as_float[0], as_float[1], q4), 2, 2, VF
+            emit, width, first = _float_block(as_float[0], q4), 2, 1
         addrs = [context.cast(builder, v, t, types.int64) for v, t in zip(values[first:], signature.args[first:],
                                                                           strict=True)]
-        sums = _rows_dot(builder, emit, addrs[:-1], addrs[-1], 18 if q4 else 34, width, acc)
+        sums = _rows_dot(builder, emit, addrs[:-1], addrs[-1], 18 if q4 else 34, width)
         return sums[0] if rows == 1 else context.make_tuple(builder, result, sums)
 
     return result(*args), codegen
 
 
 def _float_row(q4: bool):  # type: ignore[no-untyped-def]
-    def typer(typingctx, x_addr, table_addr, row, blocks):  # type: ignore[no-untyped-def]
-        return _signature((x_addr, table_addr, row, blocks), q4, "float", rows=1)
+    def typer(typingctx, x_addr, row, blocks):  # type: ignore[no-untyped-def]
+        return _signature((x_addr, row, blocks), q4, "float", rows=1)
     return intrinsic(typer)
 
 
 def _int16_row(q4: bool):  # type: ignore[no-untyped-def]
-    def typer(typingctx, xq_addr, dx_addr, table_addr, row, blocks):  # type: ignore[no-untyped-def]
-        return _signature((xq_addr, dx_addr, table_addr, row, blocks), q4, "int16", rows=1)
+    def typer(typingctx, xq_addr, dx_addr, row, blocks):  # type: ignore[no-untyped-def]
+        return _signature((xq_addr, dx_addr, row, blocks), q4, "int16", rows=1)
     return intrinsic(typer)
 
 
-def _int16_rows(q4: bool):  # type: ignore[no-untyped-def]
-    def typer(typingctx, xq_addr, dx_addr, table_addr, row0, row1, blocks):  # type: ignore[no-untyped-def]
-        return _signature((xq_addr, dx_addr, table_addr, row0, row1, blocks), q4, "int16", rows=2)
-    return intrinsic(typer)
-
-
-#: dot_q8(x_addr, table_addr, row_addr, blocks): sum over one row of x[i] * d * q[i]; x float32, the row's
-#: ``blocks`` Q8_0 / Q4_0 blocks, ``table_addr`` the float32 value of every half (pk_quant.HALF_TABLE)
+#: dot_q8(x_addr, row_addr, blocks): sum over one row of x[i] * d * q[i]; x float32, the row's ``blocks``
+#: Q8_0 / Q4_0 blocks
 dot_q8 = _float_row(q4=False)
 dot_q4 = _float_row(q4=True)
-#: dot_q8_x16(xq_addr, dx_addr, table_addr, row0, row1, blocks) -> (float32, float32): two rows, x as int16
-#: (``xq_addr``) times one float32 scale per block of x (``dx_addr``), as quantize_x16 writes them
-dot_q8_x16 = _int16_rows(q4=False)
-dot_q4_x16 = _int16_rows(q4=True)
+#: dot_q8_x16_row(xq_addr, dx_addr, row_addr, blocks): the same with x as int16 (``xq_addr``) times one float32
+#: scale per block of x (``dx_addr``), as quantize_x16 writes them
 dot_q8_x16_row = _int16_row(q4=False)
 dot_q4_x16_row = _int16_row(q4=True)
 
+
+
+def _host_has(*features: str) -> bool:
+    """Whether the CPU numba compiles for has every feature: only when it compiles for this host (no
+    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES), as an x86-only intrinsic cannot be lowered for another target.
+    numba's cache is keyed by the CPU name and features, so code built with it never reaches another host."""
+    from llvmlite import binding
+    from numba.core import config
+
+    if config.CPU_NAME not in (None, "host") or config.CPU_FEATURES:
+        return False
+    host = binding.get_host_cpu_features()
+    return all(host.get(f, False) for f in features)
+
+
+F16C = _host_has("f16c")
