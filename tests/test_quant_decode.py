@@ -230,3 +230,33 @@ def test_blocks_read_outside_the_cpu_kernel_stay_exact() -> None:
     w = quantize(awkward_matrix(SEED), "q4_0")
     flat = dequantize(w.blocks.view(2, 12, -1), "q4_0", 96)
     torch.testing.assert_close(flat.view(24, 96), w.dequantize(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("f16c", (True, False), ids=("f16c", "integer-widening"))
+def test_every_half_scale_widens_exactly(f16c, monkeypatch) -> None:
+    """All 65536 half bit patterns as block scales, through both widenings quant_dot can compile (F16C, and the
+    integer one hosts without F16C get): each row is one Q8_0 block of quants 1 dotted with x = 1, so it must be
+    exactly 32 * d in float32 (inf stays inf, NaN stays NaN, subnormal halves keep their value)."""
+    need_cpu()
+    from numba import njit
+
+    from yirage_backend_cpu import quant_dot
+
+    if f16c and not quant_dot.F16C:
+        pytest.skip("this host has no F16C")
+    monkeypatch.setattr(quant_dot, "F16C", f16c)  # read when the intrinsic is compiled, below
+
+    @njit(cache=False)
+    def rows(xq, dx, blocks, out):  # type: ignore[no-untyped-def]
+        for r in range(out.shape[0]):
+            out[r] = quant_dot.dot_q8_x16_row(xq.ctypes.data, dx.ctypes.data, blocks.ctypes.data + r * 34, 1)
+
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    blocks = np.ones((1 << 16, 34), np.uint8)
+    blocks[:, :2] = bits.view(np.uint8).reshape(-1, 2)
+    out = np.empty(1 << 16, np.float32)
+    rows(np.ones(32, np.int16), np.ones(1, np.float32), blocks, out)
+    want = (bits.view(np.float16).astype(np.float64) * 32).astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(out), nan)
+    assert np.array_equal(out[~nan], want[~nan])
