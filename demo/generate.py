@@ -9,6 +9,7 @@ their ratio and whether the greedy tokens are identical (a MISMATCH exits with s
 
     python demo/generate.py                                          # SmolLM2 chat on the default backend
     python demo/generate.py --prompt "Name three colours." --dtype bfloat16
+    python demo/generate.py --dtype q8_0                             # weights as Q8_0 blocks (also q4_0)
     python demo/generate.py --gguf PATH/model.gguf                   # any Llama-family GGUF file
     python demo/generate.py --make-random-model /tmp/yr-w4 --config w4   # random weights (speed, not answers)
     python demo/generate.py --model-path DIR --json                  # a HF directory; one JSON object on stdout
@@ -41,7 +42,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "vocab_size": 512},
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "q8_0": "q8_0",
+          "q4_0": "q4_0"}  # q8_0 / q4_0: every matrix kept as GGUF blocks (yirage.quant)
 DEFAULT_TEXT = "Once upon a time,"
 DEFAULT_QUESTION = "What is the capital of France?"
 
@@ -93,8 +95,9 @@ def load_tokenizer(path: Path) -> Any:
         return None
 
 
-def hf_model(path: Path, dtype: torch.dtype | None) -> Any:
-    """transformers' model on the weights yirage runs: float32 compute on weights rounded to ``dtype``."""
+def hf_model(path: Path, dtype: Any) -> Any:
+    """transformers' model on the weights yirage runs: float32 compute on weights rounded to ``dtype``
+    (q8_0 / q4_0: every matrix quantized and dequantized by the gguf package, as yirage keeps them)."""
     import transformers
 
     if path.is_file():  # a GGUF file: transformers dequantizes it itself (its own loader, not yirage's)
@@ -103,14 +106,23 @@ def hf_model(path: Path, dtype: torch.dtype | None) -> Any:
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, attn_implementation="eager", local_files_only=True)
-    if dtype is not None:  # round the parameters only: buffers such as RoPE's inv_freq stay float32, as in yirage
+    if isinstance(dtype, str):
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize, quantize
+
+        kind = GGMLQuantizationType[dtype.upper()]
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.copy_(torch.from_numpy(dequantize(quantize(p.numpy(), kind), kind)).view(p.shape))
+    elif dtype is not None:  # round the parameters only: buffers such as RoPE's inv_freq stay float32, as in yirage
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(p.to(dtype).float())
     return model.eval()
 
 
-def hf_generate(path: Path, dtype: torch.dtype | None, ids: torch.Tensor, gen: GenerationConfig) -> tuple[Any, ...]:
+def hf_generate(path: Path, dtype: Any, ids: torch.Tensor, gen: GenerationConfig) -> tuple[Any, ...]:
     """HF eager generate of exactly ``gen.max_new_tokens`` tokens; returns (tokens, TTFT ms, ms per decoded token).
 
     TTFT: the best of two ``generate(max_new_tokens=1)`` runs. Decode: ``generate(max_new_tokens=n)``
@@ -207,7 +219,8 @@ def weights_text(engine: InferEngine, dtype: str | None) -> str:
     if info is None:
         return dtype or "as stored"
     types = ", ".join(f"{n} {k}" for k, n in sorted(info.tensor_types.items(), key=lambda kv: -kv[1]))
-    return f"{dtype or 'float32'} (dequantized from GGUF tensors: {types})"
+    kept = f"{dtype} blocks, quantized from" if dtype in ("q8_0", "q4_0") else f"{dtype or 'float32'}, dequantized from"
+    return f"{kept} GGUF tensors: {types}"
 
 
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
