@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("yirage.runtime", "yirage.persistent"),  # executables of kernel graphs; the PersistentKernel
     ("yirage.reference",),  # the oracle: graph runner, reference backend, reference PersistentKernel runtime
     ("yirage.models",),
-    ("yirage.engine",),
+    ("yirage.engine", "yirage.bench"),
     ("yirage",),  # the public API (yirage/__init__.py only: ``import yirage as yr``)
     ("yirage.testing", "yirage.cli"),  # the conformance kit and the CLI, written against the API
     ("yirage.__main__",),

@@ -239,7 +239,6 @@ def test_every_half_scale_widens_exactly(f16c, monkeypatch) -> None:
     exactly 32 * d in float32 (inf stays inf, NaN stays NaN, subnormal halves keep their value)."""
     need_cpu()
     from numba import njit
-
     from yirage_backend_cpu import quant_dot
 
     if f16c and not quant_dot.F16C:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""yirage backend manager: ``info``, ``set`` and ``test`` (same as ``python -m yirage``)."""
+"""yirage backend manager: ``info``, ``set``, ``test`` and ``benchmark`` (same as ``python -m yirage``)."""
 
 import sys
 

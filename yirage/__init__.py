@@ -22,6 +22,7 @@ from yirage.backend.selection import (
     reset_backend,
     set_backend,
 )
+from yirage.bench import benchmark_backends
 from yirage.engine import GenerationConfig, GenerationResult, InferEngine
 from yirage.errors import (
     BackendError,
@@ -64,6 +65,7 @@ __all__ = [
     "InferEngine",
     "KernelGraph",
     "PersistentKernel",
+    "benchmark_backends",
     "QuantizedTensor",
     "Tensor",
     "bfloat16",

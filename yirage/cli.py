@@ -1,8 +1,10 @@
 """Command line: ``python -m yirage`` and ``tools/backend_manager.py``.
 
 Subcommands: ``info`` (backends, plugins, host, default), ``set`` (save
-the default backend for later processes) and ``test`` (run the conformance
-kit on one backend in a child pytest and summarise it).
+the default backend for later processes), ``test`` (run the conformance
+kit on one backend in a child pytest and summarise it) and ``benchmark``
+(time the same kernel graphs on every backend against torch eager:
+yirage.bench.benchmark_backends, with a progress bar on stderr).
 
 ``test`` on a backend that cannot run here fails with the probe's reason,
 unless the backend offers a compile-only check: a ``compile_check()`` method
@@ -17,6 +19,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import math
 import subprocess
 import sys
 import tempfile
@@ -29,6 +32,7 @@ from typing import Any
 
 from yirage import config, system
 from yirage.backend import selection
+from yirage.bench import WORKLOADS, benchmark_backends
 from yirage.errors import YirageError
 
 logger = logging.getLogger("yirage.cli")
@@ -297,6 +301,112 @@ def cmd_test(args: argparse.Namespace) -> int:
                       f"Run the test where its device is present (`python -m yirage info` lists what runs here)")
 
 
+def _duration(text: str) -> float:
+    """argparse type of --duration: a positive finite number of seconds (argparse exits 2 with the message)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds; pass e.g. --duration 10") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive finite number of seconds; pass e.g. --duration 10")
+    return value
+
+
+def _progress_reporter() -> tuple[Any, Any]:
+    """(progress callback for benchmark_backends, close function): a tqdm bar on stderr when tqdm is installed,
+    else one plain line per step on stderr (tqdm is optional: yirage does not depend on it)."""
+    if importlib.util.find_spec("tqdm") is not None:
+        from tqdm import tqdm
+
+        bars: list[Any] = []  # made on the first call, when the total is known
+
+        def update(done: int, total: int, label: str) -> None:
+            if not bars:
+                bars.append(tqdm(total=total, file=sys.stderr, unit="cell", desc="benchmark", leave=False))
+            bars[0].n = done
+            bars[0].set_postfix_str(label, refresh=False)
+            bars[0].refresh()
+
+        return update, lambda: bars and bars[0].close()
+
+    def line(done: int, total: int, label: str) -> None:
+        print(f"benchmark [{done}/{total}] {label}", file=sys.stderr, flush=True)
+
+    return line, lambda: None
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def print_benchmark(result: dict[str, Any]) -> None:
+    """The benchmark as a table: one row per (backend, workload); then the unavailable and skipped backends."""
+    rows = [["backend", "workload", "median us", "p10-p90 us", "eager us", "eager/yirage", "samples", "compile s"]]
+    errors = []
+    for name, b in result["backends"].items():
+        for wl, c in b["workloads"].items():
+            if c["error"]:
+                compiled = "-" if c["compile_s"] is None else f"{c['compile_s']:.2f}"
+                rows.append([name, wl, "error", "-", "-", "-", "0", compiled])
+                errors.append(f"  {name} {wl}: {c['error']}")
+                continue
+            rows.append([name, wl, _us(c["median_us"]), f"{_us(c['p10_us'])}-{_us(c['p90_us'])}",
+                         _us(c["eager_median_us"]), f"{c['vs_eager']:.2f}x", str(c["samples"]),
+                         f"{c['compile_s']:.2f}"])
+    torch = result["torch"]
+    print(f"yirage kernel graphs vs torch eager (torch {torch['version']}, {torch['threads']} threads); "
+          f"{result['timing_seconds']:.1f} s timing, {result['compile_seconds']:.1f} s compiling (excluded)")
+    load = result["other_load_cores"]
+    if load is not None and load > 0.25:
+        print(f"WARNING: other processes used {load:.2f} of {result['cpu_count']} cores meanwhile: these figures "
+              "are noisy; rerun on a quiet machine")
+    if len(rows) > 1:
+        print(_table(rows))
+    else:
+        print("no backend could be timed (see below)")
+    print("eager/yirage = torch eager median / yirage median on the same inputs: > 1 means yirage is faster")
+    geo = [f"{n} {b['summary']['vs_eager_geomean']:.2f}x" for n, b in result["backends"].items()
+           if b["summary"]["vs_eager_geomean"] is not None]
+    if geo:
+        print(f"geometric mean of eager/yirage: {', '.join(geo)}")
+    if errors:
+        print("Errors (not timed)")
+        print("\n".join(errors))
+    off = [(n, b["reason"]) for n, b in result["backends"].items() if not b["available"]]
+    if off:
+        print("Unavailable")
+        for name, reason in off:
+            print(f"  {name:<10} {reason}")
+    for name, reason in result["skipped"].items():
+        print(f"Skipped {name}: {reason}")
+
+
+def cmd_benchmark(args: argparse.Namespace) -> int:
+    output = Path(args.output) if args.output else None
+    if output is not None and not output.parent.is_dir():  # before the run, not after it
+        raise YirageError(f"--output {output}: the directory {output.parent} does not exist; create it or pass "
+                          "another path")
+    progress, close = _progress_reporter()
+    try:  # unknown backends raise UnknownBackendError, a YirageError: main prints it and exits 2
+        result = benchmark_backends(args.duration, backends=args.backends, workloads=args.workloads,
+                                    progress=progress)
+    finally:
+        close()
+    text = json.dumps(result, indent=2)
+    if output is not None:
+        try:
+            output.write_text(text + "\n")
+        except OSError as exc:
+            raise YirageError(f"cannot write --output {output}: {exc}; pass a writable path") from exc
+    if args.json:
+        print(text)
+    else:
+        print_benchmark(result)
+        if output is not None:
+            print(f"results written to {output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="yirage", description="yirage backend manager")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -312,6 +422,16 @@ def build_parser() -> argparse.ArgumentParser:
     test.add_argument("--quick", action="store_true",
                       help=f'only a fast subset of the kit (-k "{QUICK_SELECTION}"); no effect on a compile-only check')
     test.set_defaults(func=cmd_test)
+    bench = sub.add_parser("benchmark", help="time the same kernel graphs on every available backend vs torch eager")
+    bench.add_argument("--duration", type=_duration, default=10.0,
+                       help="seconds of timing, split over backends x workloads; compiling is extra (default 10)")
+    bench.add_argument("--output", metavar="PATH", help="also write the results as JSON to PATH")
+    bench.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    bench.add_argument("--backends", nargs="+", metavar="NAME",
+                       help="backends to run (default: every discovered one; reference only when named)")
+    bench.add_argument("--workloads", nargs="+", metavar="NAME", choices=list(WORKLOADS),
+                       help=f"workloads to run (default: all of {', '.join(WORKLOADS)})")
+    bench.set_defaults(func=cmd_benchmark)
     return parser
 
 
