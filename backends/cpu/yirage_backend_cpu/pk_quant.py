@@ -96,7 +96,7 @@ def linear_q(xs, batch, k, w_addr, dtype, n0, n1, out, out_cols, res, bias, work
                 s = dot_q4_x16_row(xq0 + b * k * 2, dx0 + b * nb * 4, row, nb)
             else:
                 s = _float_row(x0 + b * k * 4, row, nb, dtype)
-            _store(out, out_cols, U(b), U(n), s, res, bias)
+            store_row(out, out_cols, U(b), U(n), s, res, bias)
 
 
 @njit(inline="always", **OPTS)
@@ -106,7 +106,8 @@ def _float_row(x_addr, row, nb, dtype):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always", **OPTS)
-def _store(out, out_cols, b, n, s, res, bias):  # type: ignore[no-untyped-def]
+def store_row(out, out_cols, b, n, s, res, bias):  # type: ignore[no-untyped-def]
+    """out[b, n] = s (+ bias[n]) (+ res[b, n]): the epilogue of every GEMV task body (pk_tasks' too)."""
     if bias.shape[0]:
         s += bias[n]
     if res.shape[0]:
