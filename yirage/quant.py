@@ -86,11 +86,14 @@ def dequantize(blocks: Any, fmt: str, k: int) -> Any:
     b = blocks.reshape(*lead, k // BLOCK, BLOCK_BYTES[fmt])
     d = b[..., :2].contiguous().view(torch.float16).to(torch.float32)  # (..., nb, 1)
     qs = b[..., 2:]
+    out = torch.empty(*lead, k // BLOCK, BLOCK, dtype=torch.float32)  # written in place: one pass per step
     if fmt == "q8_0":
-        q = qs.contiguous().view(torch.int8).to(torch.float32)
+        out.copy_(qs.view(torch.int8))
     else:
-        q = torch.cat([(qs & 15), (qs >> 4)], dim=-1).to(torch.float32) - 8
-    return (q * d).reshape(*lead, k)
+        torch.bitwise_and(qs, 15, out=out[..., :BLOCK // 2])
+        torch.bitwise_right_shift(qs, 4, out=out[..., BLOCK // 2:])
+        out.sub_(8)
+    return out.mul_(d).reshape(*lead, k)
 
 
 def quantize(weight: Any, fmt: str) -> QuantizedTensor:
