@@ -129,10 +129,14 @@ class PersistentKernel:
         if isinstance(torch_tensor, QuantizedTensor):
             fmt = torch_tensor.format
             if fmt not in self.backend.persistent_weight_formats:
+                from yirage.backend.selection import registry
+
                 readable = sorted(self.backend.persistent_weight_formats)
+                readers = [n for n in registry().names() if fmt in registry().get(n).persistent_weight_formats]
                 raise NotSupportedError(f"attach_input({name!r}): backend {self.backend.name!r}'s PersistentKernel "
                                         f"runtime does not read {fmt} weights (it reads {', '.join(readable)}); "
-                                        "use backend='cpu' (or 'reference'), or pass qt.dequantize() instead")
+                                        f"use a backend that does ({', '.join(readers) or 'none installed'}), or "
+                                        "pass qt.dequantize() instead")
             check_tensor(torch_tensor.blocks, f"attach_input({name!r}) ({fmt} blocks) on backend "
                          f"{self.backend.name!r}", self._device_type)
             return self._register(name, torch_tensor.shape, fmt, True, torch_tensor.blocks)
