@@ -337,6 +337,16 @@ def test_narrow_activations_and_caches_are_refused() -> None:
                                       pk.new_tensor((1, 32), name="z"))
 
 
+def test_a_residual_that_is_its_own_output_is_refused() -> None:
+    """The CPU tasks add the residual after their dots (pk_quant.finish_rows), so it must never be the output."""
+    pk = spec_kernel("reference")
+    x = pk.new_tensor((1, 32), name="x")
+    pk.embed_layer(pk.tokens_tensor, pk.attach_input(torch.randn(100, 32), "embed"), x)
+    y = pk.new_tensor((1, 32), name="y")
+    with pytest.raises(LayerError, match="residual 'y' is read before any layer writes it"):
+        pk.linear_with_residual_layer(x, pk.attach_input(torch.randn(32, 32), "w"), y, y)
+
+
 def test_unsupported_model_options_are_refused() -> None:
     from yirage.models.llama import LlamaConfig, ModelError
 

@@ -78,16 +78,23 @@ def test_bad_matrices_and_blocks_are_refused_with_the_fix() -> None:
 
 
 def quant_kernel_rows(fmt: str, w: QuantizedTensor, x: torch.Tensor, bias: torch.Tensor | None,
-                      res: torch.Tensor | None) -> torch.Tensor:
-    """The CPU runtime's quantized GEMV task body over all rows."""
-    from yirage_backend_cpu import pk_quant
+                      res: torch.Tensor | None, groups: bool = False, rows: tuple[int, int] | None = None
+                      ) -> torch.Tensor:
+    """The CPU runtime's quantized GEMV task body over rows [n0, n1) (default: all; others stay 0), on the blocks
+    as they are or, with ``groups``, repacked in 8-row groups the way the runtime does for Q4_0."""
+    from yirage_backend_cpu import pk_quant, quant_group
 
     batch, k = x.shape
     n = w.shape[0]
     out = np.zeros(batch * n, np.float32)
     none = np.empty(0, np.float32)
     code = pk_quant.dtype_code(fmt, w.blocks)  # as the runtime classifies them (non-finite scales: exact path)
-    pk_quant.linear_q(x.contiguous().view(-1).numpy(), batch, k, w.blocks.data_ptr(), code, 0, n, out, n,
+    blocks = w.blocks
+    if groups:
+        assert code == pk_quant.Q4_0
+        blocks, code = quant_group.repack_q4_0(w.blocks), pk_quant.Q4_0G
+    n0, n1 = rows or (0, n)
+    pk_quant.linear_q(x.contiguous().view(-1).numpy(), batch, k, blocks.data_ptr(), code, n0, n1, out, n,
                       none if res is None else res.contiguous().view(-1).numpy(),
                       none if bias is None else bias.numpy(), np.zeros(2 * batch * k, np.float32))
     return torch.from_numpy(out).view(batch, n)
@@ -107,9 +114,12 @@ def error_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     return step @ per_block.t() + 1e-5 * (x.double().abs() @ dense.abs().t())
 
 
+LAYOUTS = [("q8_0", False), ("q4_0", False), ("q4_0", True)]  # Q4_0 as rows and in the runtime's 8-row groups
+
+
 @pytest.mark.parametrize("k", (32, 96, 576))  # one block, an odd count (the unpaired tail), a model's hidden size
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_cpu_quant_rows_match_float64_on_the_dequantized_blocks(fmt, k) -> None:
+@pytest.mark.parametrize(("fmt", "groups"), LAYOUTS, ids=("q8_0", "q4_0", "q4_0-groups"))
+def test_cpu_quant_rows_match_float64_on_the_dequantized_blocks(fmt, groups, k) -> None:
     need_cpu()
     gen = torch.Generator().manual_seed(SEED + k)
     print(f"seed {SEED + k}")
@@ -117,12 +127,56 @@ def test_cpu_quant_rows_match_float64_on_the_dequantized_blocks(fmt, k) -> None:
     w = quantize(torch.cat([awkward, torch.randn(40, k, generator=gen)]), fmt)
     x = torch.randn(2, k, generator=gen)
     bias, res = torch.randn(48, generator=gen), torch.randn(2, 48, generator=gen)
-    ours = quant_kernel_rows(fmt, w, x, bias, res)
+    ours = quant_kernel_rows(fmt, w, x, bias, res, groups)
     dense = w.dequantize().double()
     ref = x.double() @ dense.t() + bias.double() + res.double()
     bound = error_bound(x, dense) + 1e-5 * (bias.abs() + res.abs())
     err = (ours.double() - ref).abs()
     assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, excess {float((err - bound).max()):.3g}"
+
+
+def test_cpu_q4_groups_serve_task_ranges_that_cut_groups() -> None:
+    """A task's rows need not start or end on a group of 8: rows outside [n0, n1) stay untouched, rows inside are
+    the full GEMV's (bit for bit: the same group pass computes them)."""
+    need_cpu()
+    gen = torch.Generator().manual_seed(SEED)
+    print(f"seed {SEED}")
+    w = quantize(torch.randn(48, 96, generator=gen), "q4_0")
+    x, res = torch.randn(2, 96, generator=gen), torch.randn(2, 48, generator=gen)
+    full = quant_kernel_rows("q4_0", w, x, None, res, groups=True)
+    for n0, n1 in ((3, 13), (8, 16), (0, 5), (45, 48), (17, 18)):
+        part = quant_kernel_rows("q4_0", w, x, None, res, groups=True, rows=(n0, n1))
+        assert torch.equal(part[:, n0:n1], full[:, n0:n1]), (n0, n1)
+        assert not part[:, :n0].any() and not part[:, n1:].any(), (n0, n1)
+
+
+def test_cpu_q4_groups_keep_torch_results_for_nonfinite_x() -> None:
+    """x with inf or NaN cannot be scaled to int16: the 8-row groups then take a float32 path, whose infinities and
+    NaNs are torch's on the dequantized matrix."""
+    need_cpu()
+    gen = torch.Generator().manual_seed(SEED)
+    w = quantize(torch.rand(16, 64, generator=gen) + 0.1, "q4_0")  # no zero value: inf * 0 would be NaN
+    x = torch.rand(2, 64, generator=gen)
+    x[0, 5], x[1, 40] = float("inf"), float("nan")
+    ours = quant_kernel_rows("q4_0", w, x, None, None, groups=True)
+    ref = x @ w.dequantize().t()
+    assert torch.equal(torch.isnan(ours), torch.isnan(ref)) and torch.equal(torch.isinf(ours), torch.isinf(ref))
+    assert torch.equal(ours[torch.isinf(ref)], ref[torch.isinf(ref)])
+
+
+def test_cpu_q4_groups_dequantize_any_row_and_columns() -> None:
+    """The embed lookup reads the repacked blocks too (tied embeddings): every row, column ranges across blocks."""
+    need_cpu()
+    from yirage_backend_cpu import pk_quant, quant_group
+
+    w = quantize(awkward_matrix(SEED, 24, 96), "q4_0")
+    packed = quant_group.repack_q4_0(w.blocks)
+    dense = w.dequantize()
+    for row in range(24):
+        for c0, count in ((0, 96), (5, 40), (31, 2), (64, 32)):
+            got = np.zeros(count, np.float32)
+            pk_quant.dequantize_row(packed.data_ptr(), pk_quant.Q4_0G, 96, row, c0, count, got)
+            assert torch.equal(torch.from_numpy(got), dense[row, c0:c0 + count]), (row, c0)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -187,6 +241,27 @@ def test_the_quantized_comparison_fails_when_a_kernel_swaps_the_nibbles(zoo) -> 
         assert_decode_matches(reference, result.tokens, result.logits)
 
 
+def swap_nibbles_in_place(model) -> None:
+    gate_up = model.blocks[0]["gate_up"].blocks.view(-1, 18)
+    gate_up[:, 2:] = (gate_up[:, 2:] >> 4) | (gate_up[:, 2:] << 4)
+
+
+def test_blocks_changed_in_place_between_runs_reach_the_decode(zoo) -> None:
+    """The CPU runtime reads Q4_0 from its own repacked copy: an in-place torch update of the blocks after a run
+    must reach the next run (the copy is remade), exactly as a decoder built after the update sees it."""
+    need_cpu()
+    model = zoo("llama-gqa")
+    engine = InferEngine(model.path, backend="cpu", dtype="q4_0")
+    before = engine.generate(model.reference.ids, greedy())  # builds (and keeps) the decoder
+    swap_nibbles_in_place(engine.model)
+    after = engine.generate(model.reference.ids, greedy())
+    fresh = InferEngine(model.path, backend="cpu", dtype="q4_0")
+    swap_nibbles_in_place(fresh.model)
+    want = fresh.generate(model.reference.ids, greedy())
+    assert not torch.equal(before.logits, want.logits)  # the update matters
+    assert torch.equal(after.logits, want.logits)
+
+
 def test_quantized_gguf_files_round_trip_exactly(tmp_path, zoo) -> None:
     """A Q8_0 / Q4_0 GGUF read with dtype='q8_0' / 'q4_0' keeps the file's values: re-quantizing them is lossless."""
     from yirage.models.gguf_export import export_gguf
@@ -232,11 +307,13 @@ def test_blocks_read_outside_the_cpu_kernel_stay_exact() -> None:
     torch.testing.assert_close(flat.view(24, 96), w.dequantize(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("groups", (False, True), ids=("rows", "q4-groups"))
 @pytest.mark.parametrize("f16c", (True, False), ids=("f16c", "integer-widening"))
-def test_every_half_scale_widens_exactly(f16c, monkeypatch) -> None:
+def test_every_half_scale_widens_exactly(f16c, groups, monkeypatch) -> None:
     """All 65536 half bit patterns as block scales, through both widenings quant_dot can compile (F16C, and the
-    integer one hosts without F16C get): each row is one Q8_0 block of quants 1 dotted with x = 1, so it must be
-    exactly 32 * d in float32 (inf stays inf, NaN stays NaN, subnormal halves keep their value)."""
+    integer one hosts without F16C get): each row is one Q8_0 block (or one Q4_0 block in the runtime's 8-row
+    groups, which widen 8 scales at once) of quants 1 dotted with x = 1, so it must be exactly 32 * d in float32
+    (inf stays inf, NaN stays NaN, subnormal halves keep their value)."""
     need_cpu()
     from numba import njit
     from yirage_backend_cpu import quant_dot
@@ -251,10 +328,25 @@ def test_every_half_scale_widens_exactly(f16c, monkeypatch) -> None:
             out[r] = quant_dot.dot_q8_x16_row(xq.ctypes.data, dx.ctypes.data, blocks.ctypes.data + r * 34, 1)
 
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    blocks = np.ones((1 << 16, 34), np.uint8)
-    blocks[:, :2] = bits.view(np.uint8).reshape(-1, 2)
-    out = np.empty(1 << 16, np.float32)
-    rows(np.ones(32, np.int16), np.ones(1, np.float32), blocks, out)
+    if groups:
+        from yirage_backend_cpu import quant_group
+
+        @njit(cache=False)
+        def group_rows(xq, dx, packed, out):  # type: ignore[no-untyped-def]
+            for g in range(out.shape[0] // 8):
+                quant_group.dot_q4_group_x16(xq.ctypes.data, dx.ctypes.data, packed.ctypes.data + g * 144, 1,
+                                             out.ctypes.data + g * 32)
+
+        blocks = np.full((1 << 16, 18), 0x99, np.uint8)  # every Q4_0 value 9 - 8 = +1
+        blocks[:, :2] = bits.view(np.uint8).reshape(-1, 2)
+        packed = quant_group.repack_q4_0(torch.from_numpy(blocks)).numpy()
+        out = np.empty(1 << 16, np.float32)
+        group_rows(np.ones(32, np.int16), np.ones(1, np.float32), packed, out)
+    else:
+        blocks = np.ones((1 << 16, 34), np.uint8)
+        blocks[:, :2] = bits.view(np.uint8).reshape(-1, 2)
+        out = np.empty(1 << 16, np.float32)
+        rows(np.ones(32, np.int16), np.ones(1, np.float32), blocks, out)
     want = (bits.view(np.float16).astype(np.float64) * 32).astype(np.float32)
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(out), nan)

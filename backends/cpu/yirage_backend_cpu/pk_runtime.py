@@ -37,7 +37,7 @@ from yirage.persistent.program import PersistentProgram
 from yirage.persistent.specs import FloatCol, IntCol, kind_code
 from yirage_backend_cpu.atomics import atomic_add, atomic_load, atomic_store, cycle_counter
 from yirage_backend_cpu.backoff import SLEEP_US, SPIN_CYCLES, YIELD_CYCLES, cpu_relax, os_yield, sleep_us
-from yirage_backend_cpu.pk_quant import Q4_0, Q4_BYTES, Q8_0, Q8_BYTES, dtype_code
+from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q4_BYTES, Q8_0, Q8_BYTES, dtype_code
 from yirage_backend_cpu.pk_tasks import (
     ATTN,
     BF16,
@@ -60,6 +60,7 @@ from yirage_backend_cpu.pk_tasks import (
     execute,
     i64s,
 )
+from yirage_backend_cpu.quant_group import GROUP, repack_q4_0
 from yirage_backend_cpu.sources import tie_caches_to_sources
 from yirage_backend_cpu.threads import check_fork, serialized
 
@@ -223,13 +224,16 @@ class CPUPersistentRuntime:
             raise NotSupportedError(f"the CPU PersistentKernel runtime has no task body for layer kinds {unknown}; "
                                     "add them to pk_runtime.execute, or use backend='reference'")
         self.keep: list[Any] = []
+        # buffers made here from the user's tensors (float copies of norms, Q4_0 repacked in 8-row groups):
+        # remade before a run when torch's version counter says the source changed in place
+        self.derived: list[list[Any]] = []
         names = [t.name for t in program.tensors]  # position = PKTensor.index, the numbers descriptors hold
         addr, tdt, tnum = [], [], []
         for t in program.tensors:
             if t.attached:
                 value = program.values[t.name]
                 if value.dim() == 1 and value.dtype != torch.float32:
-                    value = value.float()  # norms and biases: tiny, read once per task
+                    value = self._derive(t.name, value, torch.Tensor.float)  # norms and biases: tiny
             else:  # device="cpu": an ambient torch.device("meta") context must not move the kernel's memory
                 value = torch.zeros(t.dims, dtype=torch.int64 if t.dtype.startswith("int") else torch.float32,
                                     device="cpu")
@@ -242,11 +246,14 @@ class CPUPersistentRuntime:
                 raise NotSupportedError(f"tensor {t.name!r}: {dtype} blocks of {t.dims} must be "
                                         f"{t.dims[0] * t.dims[1] // 32 * QUANTIZED[dtype]} uint8 bytes, got "
                                         f"{value.numel()} {value.dtype}")
+            code = dtype_code(dtype, value) if dtype in QUANTIZED else DTYPES[dtype]
+            if code == Q4_0 and t.dims[0] % GROUP == 0:  # one pass reads 8 rows (quant_group)
+                value, code = self._derive(t.name, value.reshape(t.dims[0], -1), repack_q4_0), Q4_0G
             if value is not program.values.get(t.name):  # made here: the same checks as the user's tensors
                 check_tensor(value, f"the CPU runtime's buffer for {t.name!r}", "cpu", written=not t.attached)
             self.keep.append(value)
             addr.append(value.data_ptr())
-            tdt.append(dtype_code(dtype, value) if dtype in QUANTIZED else DTYPES[dtype])
+            tdt.append(code)
             tnum.append(value.numel())
         self.values = dict(zip(names, self.keep, strict=True))
         self.addr, self.tdt, self.tnum = (np.array(v, np.int64) for v in (addr, tdt, tnum))
@@ -274,6 +281,24 @@ class CPUPersistentRuntime:
         self.last_backoff = {"yields": 0, "sleeps": 0}  # of the last run: idle threads that gave their core away
         # every address in the table, re-checked before each run (the kernel checks the user's tensors too)
         self.snapshot = Snapshot([*zip([*names, "step"], self.keep, strict=True)])
+
+    def _derive(self, name: str, source: Any, make: Any) -> Any:
+        target = make(source)
+        self.derived.append([name, source, source._version, target, make])
+        return target
+
+    def refresh_derived(self) -> None:
+        """Remake the buffers whose source torch changed in place since (weights updated between runs)."""
+        for entry in self.derived:
+            name, source, version, target, make = entry
+            if source._version == version:
+                continue
+            fresh = make(source)
+            if fresh.shape != target.shape or fresh.dtype != target.dtype:
+                raise NotSupportedError(f"tensor {name!r} changed shape or dtype after the PersistentKernel was "
+                                        "built; build a new PersistentKernel with the new tensor")
+            target.copy_(fresh)
+            entry[2] = source._version
 
     def _step_id(self) -> int:
         """The step meta tensor is not a named PK tensor: give the kernel its address."""
@@ -310,6 +335,7 @@ class CPUPersistentRuntime:
         """
         program = self.program
         self.snapshot.verify()
+        self.refresh_derived()
         profile = np.zeros(0, np.int64)
         if program.profiler_tensor is not None:
             profile = np.zeros(3 * program.task_graph.num_tasks, np.int64)

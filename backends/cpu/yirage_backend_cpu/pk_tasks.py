@@ -25,7 +25,7 @@ from numba.core.registry import CPUDispatcher
 from yirage.persistent.specs import LAYER_SPECS, FloatCol, IntCol, kind_code, layout_fingerprint
 from yirage_backend_cpu.atomics import atomic_store
 from yirage_backend_cpu.kernel_lib import FASTMATH, as_pointer, fexp, fmax, fsilu, half_to_float, racc, rfma
-from yirage_backend_cpu.pk_quant import dequantize_row, is_quantized, linear_q, row_bytes, store_row
+from yirage_backend_cpu.pk_quant import dequantize_row, finish_rows, is_quantized, linear_q, row_bytes
 from yirage_backend_cpu.sources import tie_caches_to_sources
 
 U = np.uint64
@@ -121,7 +121,8 @@ def linear_f32(xs, batch, k, w_addr, n0, n1, out, out_cols, res, bias):  # type:
             s0 = F(0)
             for i in range(kk):
                 s0 = rfma(s0, x[i], c0[i])
-            store_row(out, out_cols, b, nn, s0, res, bias)
+            out[b * U(out_cols) + nn] = s0
+    finish_rows(out, out_cols, batch, n0, n1, res, bias)
 
 
 @njit(**OPTS)
@@ -139,7 +140,8 @@ def linear_u16(xs, batch, k, w_addr, n0, n1, out, out_cols, res, bias, is_bf16):
             else:
                 for i in range(kk):
                     s0 = rfma(s0, x[i], f16(c0[i]))
-            store_row(out, out_cols, b, nn, s0, res, bias)
+            out[b * U(out_cols) + nn] = s0
+    finish_rows(out, out_cols, batch, n0, n1, res, bias)
 
 
 @njit(**OPTS)
