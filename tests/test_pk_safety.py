@@ -555,10 +555,13 @@ def test_ctrl_c_in_the_main_thread_stops_a_decode_running_in_a_worker_thread(tin
     try:
         first = proc.stdout.readline().strip()
         assert first == "interrupting", first + proc.stderr.read()
-        out, err = proc.communicate(timeout=300)  # a hang detector only: it exits within a step or so
+        proc.wait(timeout=300)  # a hang detector only: it exits within a step or so
+        # read() through the same buffer: readline may already hold the worker's line (communicate() would bypass
+        # that buffer and lose it); the outputs are a few lines, so waiting first cannot fill a pipe
+        out, err = proc.stdout.read(), proc.stderr.read()
     finally:
         proc.kill()
     words = out.split()
-    assert words[:3] == ["worker", "stopped", "InterpreterExitingError"], out + err[-2000:]
+    assert words[:3] == ["worker", "stopped", "InterpreterExitingError"], f"exit code {proc.returncode}: {out}{err[-2000:]}"
     assert int(words[3]) < 60000
     assert "KeyboardInterrupt" in err
