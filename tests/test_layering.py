@@ -28,10 +28,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("yirage.compiler",),  # fusion, kernel IR, lowering, the build cache
     ("yirage.codegen",),  # backend-neutral code generation over the kernel IR
     ("yirage.backend",),  # the Backend interface, plugins, discovery, selection
+    ("yirage.autoconfig",),  # PersistentKernel configurations: derived from device_info, saved, applied
     ("yirage.runtime", "yirage.persistent"),  # executables of kernel graphs; the PersistentKernel
     ("yirage.reference",),  # the oracle: graph runner, reference backend, reference PersistentKernel runtime
     ("yirage.models",),
-    ("yirage.engine", "yirage.bench"),
+    ("yirage.engine", "yirage.bench", "yirage.autoconfig_sweep"),  # autoconfig_sweep: the measured sweep
     ("yirage",),  # the public API (yirage/__init__.py only: ``import yirage as yr``)
     ("yirage.testing", "yirage.cli"),  # the conformance kit and the CLI, written against the API
     ("yirage.__main__",),

@@ -562,6 +562,7 @@ def test_ctrl_c_in_the_main_thread_stops_a_decode_running_in_a_worker_thread(tin
     finally:
         proc.kill()
     words = out.split()
-    assert words[:3] == ["worker", "stopped", "InterpreterExitingError"], f"exit code {proc.returncode}: {out}{err[-2000:]}"
+    assert words[:3] == ["worker", "stopped", "InterpreterExitingError"], (
+        f"exit code {proc.returncode}: {out}{err[-2000:]}")
     assert int(words[3]) < 60000
     assert "KeyboardInterrupt" in err

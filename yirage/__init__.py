@@ -65,6 +65,8 @@ __all__ = [
     "InferEngine",
     "KernelGraph",
     "PersistentKernel",
+    "auto_configure_backend",
+    "BackendOptimizer",
     "benchmark_backends",
     "QuantizedTensor",
     "Tensor",
@@ -91,8 +93,18 @@ __all__ = [
 _configure_logging()
 
 
+#: exports imported on first use (their modules import the model code; ``import yirage`` stays quick)
+_LAZY = {"auto_configure_backend": "yirage.autoconfig_sweep", "BackendOptimizer": "yirage.autoconfig_sweep"}
+
+
 def __getattr__(name: str) -> Any:
-    """Only reached for missing names: Mirage APIs yirage lacks say what to use instead."""
+    """Lazy exports (_LAZY); other missing names: Mirage APIs yirage lacks say what to use instead."""
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     if name.startswith("_"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from yirage.graph.compat import module_attribute_error

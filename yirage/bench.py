@@ -133,7 +133,7 @@ def _chosen_backends(backends: Sequence[Any] | None) -> tuple[list[str], dict[st
     for item in requested:
         key = selection._normalize(item)
         if key == "auto":
-            key = selection.resolve("auto").name
+            key = selection.resolve("auto", need="kernel_graphs").name
         elif key not in reg:
             raise UnknownBackendError("benchmark_backends(backends=...): " + reg._unknown_message(key))
         names.append(key)

@@ -1,10 +1,14 @@
 """Command line: ``python -m yirage`` and ``tools/backend_manager.py``.
 
-Subcommands: ``info`` (backends, plugins, host, default), ``set`` (save
+Subcommands: ``info`` (backends, plugins, host, default, and the active
+PersistentKernel configuration with the source of each value), ``set`` (save
 the default backend for later processes), ``test`` (run the conformance
-kit on one backend in a child pytest and summarise it) and ``benchmark``
+kit on one backend in a child pytest and summarise it), ``benchmark``
 (time the same kernel graphs on every backend against torch eager:
-yirage.bench.benchmark_backends, with a progress bar on stderr).
+yirage.bench.benchmark_backends, with a progress bar on stderr) and
+``optimize`` (derive a backend's PersistentKernel configuration from its
+device and refine it by a timed sweep: yirage.autoconfig_sweep; ``--apply``
+saves it for later processes, see yirage.autoconfig).
 
 ``test`` on a backend that cannot run here fails with the probe's reason,
 unless the backend offers a compile-only check: a ``compile_check()`` method
@@ -30,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from yirage import config, system
+from yirage import autoconfig, config, system
+from yirage.autoconfig_sweep import DEFAULT_DURATION, DEFAULT_MODEL, TINY, auto_configure_backend
 from yirage.backend import selection
 from yirage.bench import WORKLOADS, benchmark_backends
 from yirage.errors import YirageError
@@ -85,6 +90,11 @@ def collect_info() -> dict[str, Any]:
     default["requested"] = selection._requested or saved or "auto"
     default["auto_report"] = [d.__dict__ for d in selection.last_auto_report()]
     plugins = [r.__dict__ for r in reg.plugins.records]
+    try:
+        active: dict[str, Any] = autoconfig.resolve_pk_config(selection.current_backend(need="persistent")).as_dict()
+    except YirageError as exc:  # shown in place of the configuration; the rest is still described
+        active = {"error": str(exc)}
+    active["applied_file"] = str(autoconfig.applied_path())
     return {
         "host": system.host_facts(),
         "backends": backends,
@@ -93,6 +103,7 @@ def collect_info() -> dict[str, Any]:
         "probe_timeout": reg.plugins.time_limit,
         "default": default,
         "settings_file": str(config.config_path()),
+        "pk_config": active,
     }
 
 
@@ -101,6 +112,27 @@ def _table(rows: list[list[str]]) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+_ALL_DTYPES = {"float32", "float16", "bfloat16", "float64", "int32", "int64"}
+_FLOAT_WEIGHTS = {"float32", "float16", "bfloat16"}
+
+
+def capability_cells(caps: dict[str, Any] | None) -> list[str]:
+    """The ``graphs`` and ``PK`` cells of a backend row: the dtypes it compiles, its PersistentKernel weights."""
+    if caps is None:
+        return ["?", "?"]
+    dtypes = set(caps["kernel_dtypes"])
+    lacking = sorted(_ALL_DTYPES - dtypes)
+    if not dtypes:
+        graphs = "no"
+    elif dtypes <= _ALL_DTYPES and len(lacking) <= 2:
+        graphs = "all" + (f" but {','.join(lacking)}" if lacking else "")
+    else:
+        graphs = ",".join(sorted(dtypes))
+    extra = sorted(set(caps["weight_formats"]) - _FLOAT_WEIGHTS)
+    pk = ("yes" + (f"+{','.join(extra)}" if extra else "")) if caps["persistent"] else "no"
+    return [graphs, pk]
 
 
 def print_info(info: dict[str, Any]) -> None:
@@ -116,7 +148,7 @@ def print_info(info: dict[str, Any]) -> None:
     print(f"  RAM      {_gib(host['ram_total'])} total, {_gib(host['ram_available'])} available")
     print(f"  OS       {host['os']}, Python {host['python']}")
     print()
-    rows = [["backend", "status", "prio", "device", "units", "memory (free/total)", "plugin"]]
+    rows = [["backend", "status", "prio", "graphs", "PK", "device", "units", "memory (free/total)", "plugin"]]
     for b in info["backends"]:
         status = "available" if b["available"] else "unavailable"
         if b["available"] and not b["auto"]:
@@ -127,10 +159,12 @@ def print_info(info: dict[str, Any]) -> None:
         memory = f"{_gib(mem.get('free'))} / {_gib(mem.get('total'))}" if mem else "-"
         plugin = b["plugin"]
         rows.append([
-            b["name"], status, str(b["priority"]), dev.get("name", "-"), str(dev.get("compute_units") or "-"),
+            b["name"], status, str(b["priority"]), *capability_cells(b.get("capabilities")), dev.get("name", "-"),
+            str(dev.get("compute_units") or "-"),
             memory, f"{plugin['distribution']} {plugin['version']}".strip(),
         ])
-    print(f"Backends ({len(info['backends'])} discovered; * = available, but auto passes over it)")
+    print(f"Backends ({len(info['backends'])} discovered; * = available, but auto passes over it; graphs = "
+          "kernel-graph dtypes it compiles; PK = PersistentKernel runtime, +quantized weights it reads)")
     print(_table(rows))
     print()
     print("Reasons")
@@ -158,6 +192,20 @@ def print_info(info: dict[str, Any]) -> None:
         print(f"Default backend: {default['backend']} (requested: {default['requested']})")
     else:
         print(f"Default backend: none: {default['error']}")
+    print_pk_config(info["pk_config"])
+
+
+def print_pk_config(active: dict[str, Any]) -> None:
+    """The PersistentKernel configuration of the default backend, each value with its source."""
+    print()
+    if "error" in active:
+        print(f"PersistentKernel configuration: unknown: {active['error']}")
+        return
+    print(f"PersistentKernel configuration (backend {active['backend']}, when num_workers/num_local_schedulers "
+          "are not passed)")
+    for name, setting in active["settings"].items():
+        print(f"  {name:<21} {setting['value']!s:<6} {setting['source']:<9} {setting['detail']}")
+    print(f"  applied configurations: {active['applied_file']} (`optimize --backend B --apply` writes it)")
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -312,8 +360,8 @@ def _duration(text: str) -> float:
     return value
 
 
-def _progress_reporter() -> tuple[Any, Any]:
-    """(progress callback for benchmark_backends, close function): a tqdm bar on stderr when tqdm is installed,
+def _progress_reporter(desc: str = "benchmark", unit: str = "cell") -> tuple[Any, Any]:
+    """(progress callback ``(done, total, label)``, close function): a tqdm bar on stderr when tqdm is installed,
     else one plain line per step on stderr (tqdm is optional: yirage does not depend on it)."""
     if importlib.util.find_spec("tqdm") is not None:
         from tqdm import tqdm
@@ -322,7 +370,8 @@ def _progress_reporter() -> tuple[Any, Any]:
 
         def update(done: int, total: int, label: str) -> None:
             if not bars:
-                bars.append(tqdm(total=total, file=sys.stderr, unit="cell", desc="benchmark", leave=False))
+                bars.append(tqdm(total=total, file=sys.stderr, unit=unit, desc=desc, leave=False))
+            bars[0].total = total
             bars[0].n = done
             bars[0].set_postfix_str(label, refresh=False)
             bars[0].refresh()
@@ -330,7 +379,7 @@ def _progress_reporter() -> tuple[Any, Any]:
         return update, lambda: bars and bars[0].close()
 
     def line(done: int, total: int, label: str) -> None:
-        print(f"benchmark [{done}/{total}] {label}", file=sys.stderr, flush=True)
+        print(f"{desc} [{done}/{total}] {label}", file=sys.stderr, flush=True)
 
     return line, lambda: None
 
@@ -407,6 +456,28 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
     return 0
 
 
+TOY_MODELS = {"small": DEFAULT_MODEL, "tiny": TINY}
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    progress, close = _progress_reporter("optimize", "step")
+    try:  # unknown/unavailable backends raise YirageErrors: main prints them and exits 2
+        cfg = auto_configure_backend(args.backend.strip().lower(), sweep=not args.no_sweep, duration=args.duration,
+                                     max_candidates=args.candidates, model=TOY_MODELS[args.model],
+                                     progress=progress)
+    finally:
+        close()
+    applied = autoconfig.apply(cfg) if args.apply else None
+    if args.json:
+        print(json.dumps({**cfg.as_dict(), "applied": None if applied is None else str(applied)}, indent=2))
+        return 0
+    print(cfg.report())
+    if applied is not None:
+        print(f"applied: saved in {applied}; PersistentKernels on backend {cfg.backend!r} on this device now use "
+              "it when num_workers/num_local_schedulers are not passed (explicit arguments still win)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="yirage", description="yirage backend manager")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -432,6 +503,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--workloads", nargs="+", metavar="NAME", choices=list(WORKLOADS),
                        help=f"workloads to run (default: all of {', '.join(WORKLOADS)})")
     bench.set_defaults(func=cmd_benchmark)
+    opt = sub.add_parser("optimize", help="derive a backend's PersistentKernel configuration and refine it by a "
+                                          "timed sweep; --apply saves it for later processes")
+    opt.add_argument("--backend", default="auto", help="a backend name or 'auto' (default: auto)")
+    opt.add_argument("--apply", action="store_true",
+                     help="save the result: later PersistentKernels/InferEngines on this backend and device use it")
+    opt.add_argument("--json", action="store_true", help="print the configuration as one JSON object")
+    opt.add_argument("--duration", type=_duration, default=DEFAULT_DURATION,
+                     help=f"seconds of timing, split over the candidates; compiling is extra "
+                          f"(default {DEFAULT_DURATION:g})")
+    opt.add_argument("--candidates", type=int, choices=range(1, 7), default=4, metavar="{1..6}",
+                     help="how many (workers, schedulers) pairs around the derived one to time (default 4)")
+    opt.add_argument("--model", choices=sorted(TOY_MODELS), default="small",
+                     help="the random-weight toy Llama the sweep decodes (tiny: fast, for tests; default small)")
+    opt.add_argument("--no-sweep", action="store_true", help="only derive from the device; time nothing")
+    opt.set_defaults(func=cmd_optimize)
     return parser
 
 

@@ -100,7 +100,8 @@ class InferEngine:
                              "None for the default (16)")
         self.tasks_per_layer = tasks_per_layer
         self._lock = ForkSafeRLock()  # a child forked while another thread generates gets a fresh lock
-        self.backend = current_backend() if backend is None else resolve(backend, "InferEngine(backend=...)")
+        self.backend = (current_backend(need="persistent") if backend is None
+                        else resolve(backend, "InferEngine(backend=...)", need="persistent"))
         self.model = load_model(model_path, dtype)
         self._model_path = model_path
         self._tokenizer: Any = _UNSET  # built on first use (a GGUF file's takes seconds), then kept

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -75,6 +76,46 @@ class MemoryInfo:
         return asdict(self)
 
 
+#: What a caller can ask ``auto`` for (``current_backend(need=...)``): compiled kernel graphs, or a
+#: PersistentKernel runtime.
+NEEDS = ("kernel_graphs", "persistent")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can run: ``auto`` matches requests against it and ``info`` shows it.
+
+    Why a separate description: a plugin that only probes (describes a device, compiles nothing) must
+    not capture every unqualified ``new_kernel_graph()`` just because its priority is high. Derived by
+    ``Backend.capabilities()`` from what the class defines; a backend may override that method.
+    ``kernel_dtypes`` is empty exactly when ``kernel_graphs`` is False.
+    """
+
+    kernel_graphs: bool
+    kernel_dtypes: frozenset[str]
+    persistent: bool
+    weight_formats: frozenset[str]
+
+    def missing(self, need: str, dtypes: frozenset[str] = frozenset()) -> str:
+        """Why this backend cannot serve ``need`` (for ``dtypes``), as a phrase; '' when it can."""
+        if need == "kernel_graphs":
+            if not self.kernel_graphs:
+                return "cannot compile kernel graphs (it declares no kernel_dtypes / compile stages)"
+            lacking = sorted(dtypes - self.kernel_dtypes)
+            if lacking:
+                return (f"cannot compile kernel graphs in {', '.join(lacking)} "
+                        f"(its kernel_dtypes: {', '.join(sorted(self.kernel_dtypes))})")
+            return ""
+        if need == "persistent":
+            return "" if self.persistent else "has no PersistentKernel runtime (no persistent_runtime)"
+        raise ValueError(f"unknown capability need {need!r}; use one of {', '.join(NEEDS)}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data with sorted lists, for ``info --json``."""
+        return {"kernel_graphs": self.kernel_graphs, "kernel_dtypes": sorted(self.kernel_dtypes),
+                "persistent": self.persistent, "weight_formats": sorted(self.weight_formats)}
+
+
 class Backend:
     """One kind of device yirage can compile for.
 
@@ -106,7 +147,10 @@ class Backend:
         unavailable with a reason naming the plugin; it never takes the host down.
         """
         if self._availability is None:
+            started = time.perf_counter()
             self._availability = self._timed_probe()
+            logger.debug("probed backend %r in %.3f s: ok=%s auto=%s (%s)", self.name, time.perf_counter() - started,
+                         self._availability.ok, self._availability.auto, self._availability.reason)
         return self._availability
 
     def _timed_probe(self) -> Availability:
@@ -257,6 +301,20 @@ class Backend:
             f"backend {self.name!r} does not propose a PersistentKernel configuration"
         )
 
+    def capabilities(self) -> Capabilities:
+        """What this backend can run, derived from what its class defines (override to declare it yourself).
+
+        Kernel graphs: ``kernel_dtypes`` is non-empty and ``compile`` or the ``render`` stage is
+        implemented. PersistentKernels: ``persistent_runtime`` is overridden; it reads
+        ``persistent_weight_formats``.
+        """
+        cls = type(self)
+        compiles = cls.compile is not Backend.compile or cls.render is not Backend.render
+        dtypes = frozenset(self.kernel_dtypes) if compiles else frozenset()
+        persistent = cls.persistent_runtime is not Backend.persistent_runtime
+        formats = frozenset(self.persistent_weight_formats) if persistent else frozenset()
+        return Capabilities(bool(dtypes), dtypes, persistent, formats)
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 
@@ -394,6 +452,29 @@ def checked_device_info(backend: Backend, index: int = 0) -> DeviceInfo:
             "(a bug in the plugin; report it to its authors)"
         )
     return info
+
+
+def checked_capabilities(backend: Backend) -> Capabilities:
+    """``backend.capabilities()``, refused with a PluginError unless well-formed and self-consistent."""
+    caps = backend.capabilities()
+    if not isinstance(caps, Capabilities):
+        problems = [f"returned {safe_repr(caps)} instead of a Capabilities"]
+    else:
+        problems = [p for p in (
+            _kind_problem("kernel_graphs", caps.kernel_graphs, (bool,)),
+            _kind_problem("persistent", caps.persistent, (bool,)),
+        ) if p]
+        for name, names in (("kernel_dtypes", caps.kernel_dtypes), ("weight_formats", caps.weight_formats)):
+            if not isinstance(names, frozenset) or not all(isinstance(n, str) for n in names):
+                problems.append(f"{name}={safe_repr(names)} (not a frozenset of str)")
+        if not problems and caps.kernel_graphs != bool(caps.kernel_dtypes):
+            problems.append("kernel_graphs must be True exactly when kernel_dtypes names the dtypes it compiles")
+    if problems:
+        raise PluginError(
+            f"{plugin_label(backend)}: capabilities() {'; '.join(problems)} "
+            "(a bug in the plugin; report it to its authors)"
+        )
+    return caps
 
 
 def checked_memory_info(backend: Backend, index: int = 0) -> MemoryInfo:

@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from types import ModuleType
@@ -190,6 +191,8 @@ class PluginSet:
             record = self._collect_backends(module, record)
         if record.error:
             logger.warning("%s", record.error)
+        logger.debug("plugin %r (%s %s, module %s): %s; backends: %s", name, distribution, version, module_name,
+                     record.status, ", ".join(c.name for c, r in self.backend_classes if r is record) or "none")
         self.records.append(record)
         return record
 
@@ -231,8 +234,11 @@ class PluginSet:
             )
             self.records.append(record)
             return record
+        started = time.perf_counter()
         try:
             module = timed_import(ep.load, ep.module, self.time_limit)
+            logger.debug("imported plugin %r (entry point %s from %s %s) in %.3f s", ep.name, ep.value, dist_name,
+                         dist_version, time.perf_counter() - started)
         except ImportTimeout as exc:
             message = (f"plugin {ep.name!r} from distribution {dist_name} {dist_version} (module {ep.module}) "
                        f"was skipped: its {exc}; {_timeout_advice(self.time_limit)}")
@@ -255,8 +261,11 @@ class PluginSet:
             record = PluginRecord(path, path, "?", "?", "skipped", f"plugin module {path!r} is already loaded")
             self.records.append(record)
             return record
+        started = time.perf_counter()
         try:
             module = timed_import(lambda: importlib.import_module(path), path, self.time_limit)
+            logger.debug("imported plugin module %r named in YIRAGE_PLUGINS in %.3f s", path,
+                         time.perf_counter() - started)
         except ImportTimeout as exc:
             message = (
                 f"plugin module {path!r} named in YIRAGE_PLUGINS was skipped: its {exc}; "
@@ -279,6 +288,7 @@ class PluginSet:
 
     def exclude(self, ep: metadata.EntryPoint, why: str) -> None:
         """Record an installed plugin that the switches kept from loading."""
+        logger.debug("plugin %r (%s) not loaded: %s", ep.name, _distribution_name(ep) or "?", why)
         self.handled.add(ep_key(ep))
         dist = getattr(ep, "dist", None)
         self.records.append(PluginRecord(
@@ -374,6 +384,8 @@ class Discovery:
         if self.complete:
             return
         key = normalize(name)
+        logger.debug("looking up plugins that provide backend %r%s", name,
+                     " (and the built-ins)" if builtins_too else "")
         for ep in self.entry_points():
             if ep_key(ep) in self.plugins.handled or not self._permitted(ep):
                 continue
@@ -386,6 +398,8 @@ class Discovery:
         if self.complete:
             return
         eps = self.entry_points()
+        logger.debug("loading every plugin the switches allow: %d entry point(s) in group %r", len(eps),
+                     hookspecs.ENTRY_POINT_GROUP)
         matched: set[str] = set()
         for ep in eps:
             if self.allow is not None:

@@ -104,6 +104,8 @@ class Registry:
             )
             self._backends[cls.name] = backend
             self._origin[cls.name] = record
+            logger.debug("registered backend %r (priority %d) from plugin %r (%s %s)", cls.name, cls.priority,
+                         record.name, record.distribution, record.version)
 
     @property
     def conflicts(self) -> list[str]:

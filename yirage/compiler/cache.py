@@ -9,12 +9,15 @@ owned by the current user or that group or others can write.
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import threading
 from pathlib import Path
 
 from yirage.errors import YirageError
+
+logger = logging.getLogger("yirage.compiler")
 
 
 class CacheError(YirageError, RuntimeError):
@@ -95,6 +98,7 @@ def private_root(root: Path | None = None) -> Path:
         check_private(root)
         _check_parents(root)
         _made.add(root)
+        logger.debug("compile cache at %s (private to this user: checked)", root)
     return root
 
 

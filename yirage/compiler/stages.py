@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,17 +85,39 @@ def compile_cached(backend: Backend, plan: Any, *, root: Path | None = None) -> 
 
     ``root``: the cache root (default: ``cache_root()``).
     """
+    started = time.perf_counter()
     source = _text(backend, "render(plan)", backend.render(plan))
+    rendered = time.perf_counter()
     fingerprint = _text(backend, "fingerprint()", backend.fingerprint())
     target = _text(backend, "target()", backend.target())
     key = cache_key(source, fingerprint, target)
+    name = _plan_name(plan)
+    logger.debug("render of plan %s for backend %r took %.3f s (%d chars)", name, backend.name,
+                 rendered - started, len(source))
     entry = private_dir(private_dir(private_root(root) / backend.name) / key)
     with _lock:
         check_tree(entry)  # before anything in it is read, let alone loaded
         artifact = _verified(entry, key)
         if artifact is None:
+            logger.debug("compile-cache miss for plan %s on backend %r: key %s; building in %s", name,
+                         backend.name, key, entry)
+            building = time.perf_counter()
             artifact = _build(backend, source, entry, key, fingerprint, target)
-    return backend.load(artifact)
+            logger.debug("build of plan %s for backend %r took %.3f s", name, backend.name,
+                         time.perf_counter() - building)
+        else:
+            logger.debug("compile-cache hit for plan %s on backend %r: key %s (%s)", name, backend.name, key, entry)
+    loading = time.perf_counter()
+    run = backend.load(artifact)
+    logger.debug("load of plan %s for backend %r took %.3f s (%s)", name, backend.name,
+                 time.perf_counter() - loading, "just built" if artifact.rebuilt else "from the cache")
+    return run
+
+
+def _plan_name(plan: Any) -> str:
+    """A short name of a plan for log lines: its digest prefix when it has one."""
+    digest = getattr(plan, "digest", None)
+    return digest[:12] if isinstance(digest, str) else type(plan).__name__
 
 
 def _text(backend: Backend, what: str, value: Any) -> str:

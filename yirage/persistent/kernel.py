@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from yirage.backend.base import checked_device_info
+from yirage.autoconfig import BackendConfig, resolve_pk_config
 from yirage.errors import NotSupportedError
 from yirage.locks import ForkSafeRLock
 from yirage.persistent import shutdown  # noqa: F401 - registers the exit hook before any decode runs
@@ -63,7 +63,8 @@ class PersistentKernel:
     ) -> None:
         from yirage.backend.selection import current_backend, resolve
 
-        self.backend = current_backend() if backend is None else resolve(backend, "PersistentKernel(backend=...)")
+        self.backend = (current_backend(need="persistent") if backend is None
+                        else resolve(backend, "PersistentKernel(backend=...)", need="persistent"))
         if world_size != 1 or mpi_rank != 0 or num_remote_schedulers:
             raise NotSupportedError(
                 "multi-device PersistentKernels (world_size > 1, remote schedulers) are not supported yet; "
@@ -378,18 +379,23 @@ class PersistentKernel:
         check_disjoint(items)
 
     def _config(self) -> dict[str, int]:
-        config = {}
-        try:
-            config = dict(self.backend.default_config(checked_device_info(self.backend, 0)))
-        except NotSupportedError:
-            config = {"num_workers": 1, "num_local_schedulers": 1}
-        if self.num_workers is not None:
-            config["num_workers"] = int(self.num_workers)
-        if self.num_local_schedulers is not None:
-            config["num_local_schedulers"] = int(self.num_local_schedulers)
+        """Explicit counts, else the applied configuration for this device, else the backend's default_config
+        (yirage.autoconfig); kept as ``self.config`` with the source of each value."""
+        active = resolve_pk_config(self.backend, self.num_workers, self.num_local_schedulers)
+        config = active.values()
         if config["num_workers"] < 1 or config["num_local_schedulers"] < 0:
             raise LayerError(f"need num_workers >= 1 and num_local_schedulers >= 0 (0: workers schedule), got {config}")
+        self._active_config = active
         return config
+
+    @property
+    def config(self) -> BackendConfig:
+        """The configuration this kernel runs with (compiled) or would run with now, with each value's source
+        ("explicit", "saved", "derived", "default")."""
+        active = getattr(self, "_active_config", None)
+        if active is None or self.runtime is None:
+            active = resolve_pk_config(self.backend, self.num_workers, self.num_local_schedulers)
+        return active
 
     def check_meta(self) -> None:
         """step and the current tokens must be in range: compiled runtimes index memory with them."""

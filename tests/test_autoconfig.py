@@ -1,0 +1,358 @@
+"""Auto-configuration (issue 12 item 1, item 4's ``optimize``): derived, measured, saved, applied, explicit.
+
+Oracles: psutil's core count and the backend's documented rule for the derived values, MPK's published split
+for GPUs, the JSON a run wrote for the saved values, and the runtime's own worker/scheduler counts for what a
+PersistentKernel runs with; transformers' greedy decode checks that a saved configuration still decodes right.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import yirage as yr
+from yirage import autoconfig, cli
+from yirage import autoconfig_sweep as sweep_mod
+from yirage.autoconfig import ConfigMismatchError, SavedConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 600  # a cold numba compile of the decode loop can take a minute or two on a busy machine
+needs_cpu = pytest.mark.skipif(not yr.is_backend_available("cpu"), reason="the cpu backend (numba) is unavailable")
+
+
+@pytest.fixture
+def quick(monkeypatch):
+    """The defaults the spec snippets use, shrunk so a sweep takes a fraction of a second."""
+    monkeypatch.setattr(sweep_mod, "DEFAULT_DURATION", 0.3)
+    monkeypatch.setattr(sweep_mod, "DEFAULT_MODEL", sweep_mod.TINY)
+
+
+def run_python(code: str, config_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("YIRAGE_")}
+    env["YIRAGE_CONFIG_DIR"] = str(config_dir)
+    cmd = [sys.executable, *args] if args else [sys.executable, "-c", textwrap.dedent(code)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT, env=env, check=False)
+
+
+def cpu_rule() -> tuple[int, int]:
+    """The cpu backend's documented rule (one thread per physical core, dedicated schedulers from 8 cores)."""
+    cores = psutil.cpu_count(logical=False) or 1
+    return cores - cores // 8, cores // 8
+
+
+# -- the spec's snippets --------------------------------------------------------------------------------------
+@needs_cpu
+def test_the_spec_snippets_run_and_cuda_fails_naming_why(quick, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = yr.auto_configure_backend()
+    print("Optimal config:", config)
+    optimizer = yr.BackendOptimizer()
+    optimizer.print_system_info()
+    optimizer = yr.BackendOptimizer()
+    with pytest.raises(yr.BackendUnavailableError, match="'cuda'.*unavailable"):
+        optimizer.save_config('optimal_config.json', backend='cuda')
+    optimizer.save_config('optimal_config.json', backend='cpu')
+    config = optimizer.load_config('optimal_config.json')
+    out = capsys.readouterr().out
+    assert "Optimal config: cpu on" in out and "(measured)" in out
+    assert "cuda" in out and "cpu" in out  # print_system_info lists every backend
+    saved = json.loads((tmp_path / "optimal_config.json").read_text())
+    assert config.values() == {name: s["value"] for name, s in saved["settings"].items()}
+    assert set(config.sources().values()) == {"saved"}
+    assert saved["schema"] == 1 and saved["backend"] == "cpu" and saved["fingerprint"]
+
+
+# -- derivation -----------------------------------------------------------------------------------------------
+@needs_cpu
+def test_the_derived_cpu_config_is_what_the_cores_imply() -> None:
+    cfg = yr.auto_configure_backend("cpu", sweep=False)
+    workers, schedulers = cpu_rule()
+    assert (cfg.num_workers, cfg.num_local_schedulers) == (workers, schedulers)
+    assert cfg.settings["threads"].value == workers + schedulers
+    assert set(cfg.sources().values()) == {"derived"}
+    assert 0 < cfg.settings["memory_budget"].value <= psutil.virtual_memory().total
+    assert cfg.sweep == []
+
+
+class _FakeGPU(yr.Backend):
+    name, device_kind = "fakegpu", "gpu"
+    units = 132
+
+    def probe(self) -> yr.Availability:
+        return yr.Availability(True, "fake")
+
+    def device_info(self, index: int = 0) -> yr.DeviceInfo:
+        return yr.DeviceInfo("Fake GPU", "Fake Inc", self.device_kind, self.units, 1 << 34,
+                             extra={"max_work_group_size": 1024})
+
+    def memory_info(self, index: int = 0) -> yr.MemoryInfo:
+        return yr.MemoryInfo(1 << 34, 1 << 30, (1 << 34) - (1 << 30), "fake")
+
+
+# MPK (mirage-project/mirage python/mirage/utils.py get_configurations_from_gpu): workers by SM count,
+# schedulers = 4 * (SMs - workers)
+@pytest.mark.parametrize(("sms", "workers", "schedulers"), [(132, 128, 16), (108, 96, 48), (82, 64, 72),
+                                                             (170, 144, 104), (10, 9, 4)])
+def test_a_gpu_without_default_config_gets_mpks_split(sms, workers, schedulers) -> None:
+    backend = _FakeGPU()
+    backend.units = sms
+    cfg = autoconfig.derive(backend)
+    assert (cfg.num_workers, cfg.num_local_schedulers) == (workers, schedulers)
+    assert cfg.settings["work_group_size"].value == 256 and not cfg.settings["work_group_size"].tunable
+    assert cfg.settings["memory_budget"].value == (1 << 34) - (1 << 30)
+
+
+def test_a_backend_without_default_config_says_it_cannot_be_configured() -> None:
+    backend = _FakeGPU()
+    backend.device_kind = "accelerator"
+    with pytest.raises(yr.NotSupportedError, match="no default_config.*pass num_workers/num_local_schedulers"):
+        autoconfig.derive(backend)
+
+
+class _Undescribed(yr.Backend):
+    name = "undescribed"
+
+    def probe(self) -> yr.Availability:
+        return yr.Availability(True, "fake")
+
+
+def test_a_backend_that_describes_nothing_still_gets_one_worker_and_one_scheduler() -> None:
+    """As before auto-configuration: no device_info and no default_config mean (1, 1), marked "default"."""
+    cfg = autoconfig.resolve_pk_config(_Undescribed())
+    assert cfg.values() == {"num_workers": 1, "num_local_schedulers": 1}
+    assert set(cfg.sources().values()) == {"default"}
+    assert autoconfig.resolve_pk_config(_Undescribed(), 3, 0).values() == {"num_workers": 3,
+                                                                          "num_local_schedulers": 0}
+
+
+# -- the sweep ------------------------------------------------------------------------------------------------
+@needs_cpu
+def test_the_sweep_times_candidates_around_the_derived_pair() -> None:
+    cfg = yr.auto_configure_backend("cpu", duration=0.3, max_candidates=3, model=sweep_mod.TINY)
+    derived = cpu_rule()
+    pairs = [(r["num_workers"], r["num_local_schedulers"]) for r in cfg.sweep]
+    assert derived in pairs and 2 <= len(pairs) <= 3 and len(set(pairs)) == len(pairs)
+    for r in cfg.sweep:
+        assert r["error"] is None and r["samples"] >= sweep_mod.MIN_ROUNDS
+        assert 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+    chosen = next(r for r in cfg.sweep if (r["num_workers"], r["num_local_schedulers"]) == (cfg.num_workers,
+                                                                                             cfg.num_local_schedulers))
+    fastest = min(r["median_ms"] for r in cfg.sweep)
+    assert chosen["median_ms"] <= fastest / (1 - sweep_mod.KEEP_MARGIN)
+    assert cfg.settings["num_workers"].source == "measured"
+    assert "median ms/step" in cfg.report() and "chosen" in cfg.report()
+
+
+def test_bad_durations_are_refused_with_the_fix() -> None:
+    for bad in (-1, 0, float("nan"), "5", True):
+        with pytest.raises(ValueError, match="duration"):
+            yr.auto_configure_backend("cpu", duration=bad)
+
+
+# -- saved files ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def saved(tmp_path) -> tuple[Path, dict]:
+    path = yr.BackendOptimizer(sweep=False).save_config(tmp_path / "c.json", backend="cpu")
+    return path, json.loads(path.read_text())
+
+
+@needs_cpu
+def test_save_and_load_round_trip(saved) -> None:
+    path, data = saved
+    cfg = yr.BackendOptimizer().load_config(path, backend="cpu")
+    assert cfg.values() == {name: s["value"] for name, s in data["settings"].items()}
+    assert (cfg.num_workers, cfg.num_local_schedulers) == cpu_rule()
+
+
+def _edit(data: dict, what: str) -> object:
+    data = json.loads(json.dumps(data))
+    if what == "list":
+        return [data]
+    if what == "schema":
+        data["schema"] = 99
+    elif what in ("zero", "negative", "string"):
+        data["settings"]["num_workers"]["value"] = {"zero": 0, "negative": -2, "string": "2"}[what]
+    elif what == "schedulers":
+        data["settings"]["num_local_schedulers"]["value"] = -1
+    elif what == "missing":
+        del data["settings"]["num_local_schedulers"]
+    elif what == "threads":
+        data["settings"]["threads"]["value"] = 1.5
+    return data
+
+
+@needs_cpu
+@pytest.mark.parametrize(("what", "cause"), [
+    ("list", "must hold a JSON object"), ("schema", "schema 99"), ("zero", "num_workers must be an int >= 1 .*got 0;"),
+    ("negative", "num_workers must be an int >= 1 .*got -2;"), ("string", "num_workers must be an int >= 1 .*got '2';"),
+    ("schedulers", "num_local_schedulers must be an int >= 0 .*got -1;"),
+    ("missing", "num_local_schedulers are missing"), ("threads", "threads must be an int"),
+])
+def test_malformed_files_are_refused_naming_the_cause(saved, what, cause) -> None:
+    path, data = saved
+    path.write_text(json.dumps(_edit(data, what)))
+    with pytest.raises(SavedConfigError, match=cause) as info:
+        yr.BackendOptimizer().load_config(path)
+    message = str(info.value)
+    assert str(path) in message and ("optimize --backend" in message or "save_config" in message), message
+    assert isinstance(info.value, yr.YirageError)
+
+
+@needs_cpu
+def test_broken_json_and_mismatched_files_are_refused(saved) -> None:
+    path, data = saved
+    path.write_text("{not json")
+    with pytest.raises(SavedConfigError, match="not valid JSON"):
+        yr.BackendOptimizer().load_config(path)
+    path.write_text(json.dumps({**data, "fingerprint": "cpu|Other|Another CPU|cpu|64"}))
+    with pytest.raises(ConfigMismatchError, match="mismatched device"):
+        yr.BackendOptimizer().load_config(path)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigMismatchError, match="for backend 'cpu', not 'reference'"):
+        yr.BackendOptimizer().load_config(path, backend="reference")
+    path.write_text(json.dumps({**data, "backend": "cuda"}))
+    with pytest.raises(ConfigMismatchError, match="'cuda', which is unavailable here"):
+        yr.BackendOptimizer().load_config(path)
+
+
+# -- applied configurations -------------------------------------------------------------------------------------
+def _apply(num_workers: int, schedulers: int, fingerprint: str | None = None) -> autoconfig.BackendConfig:
+    cfg = yr.auto_configure_backend("cpu", sweep=False)
+    cfg.settings["num_workers"] = autoconfig.Setting(num_workers, "measured", "test")
+    cfg.settings["num_local_schedulers"] = autoconfig.Setting(schedulers, "measured", "test")
+    if fingerprint:
+        cfg.fingerprint = fingerprint
+    autoconfig.apply(cfg)
+    return cfg
+
+
+def _tiny_pk(**counts):
+    import torch
+
+    model = sweep_mod.TINY.build()
+    model.reset_cache(1, 12)
+    tokens = torch.zeros(1, 12, dtype=torch.int64)
+    return model.build_decoder(torch.tensor([0]), tokens, backend="cpu", tasks=4, **counts)
+
+
+@needs_cpu
+def test_an_applied_config_for_another_device_is_ignored_with_a_warning(caplog) -> None:
+    _apply(1, 1, fingerprint="cpu|Other|Another CPU|cpu|64")
+    with caplog.at_level(logging.WARNING, logger="yirage.autoconfig"):
+        pk = _tiny_pk()
+    assert "ignoring the applied configuration" in caplog.text and "Another CPU" in caplog.text
+    assert (pk.runtime.workers, pk.runtime.schedulers) == cpu_rule()
+    assert pk.config.sources() == {"num_workers": "derived", "num_local_schedulers": "derived"}
+
+
+@needs_cpu
+def test_a_corrupted_applied_file_stops_the_kernel_naming_path_and_fix(private_settings) -> None:
+    path = private_settings / "autoconfig.json"
+    path.write_text("{oops")
+    with pytest.raises(SavedConfigError, match="autoconfig.json.*optimize --backend B --apply"):
+        _tiny_pk()
+    pk = _tiny_pk(num_workers=1, num_local_schedulers=0)  # both explicit: the file has no say, so is not read
+    assert (pk.runtime.workers, pk.runtime.schedulers) == (1, 0)
+
+
+@needs_cpu
+def test_optimize_apply_then_new_processes_use_the_saved_config(tmp_path) -> None:
+    import transformers
+
+    conf = tmp_path / "conf"
+    out = run_python("", conf, "tools/backend_manager.py", "optimize", "--backend", "cpu", "--apply", "--json",
+                     "--duration", "0.3", "--candidates", "3", "--model", "tiny")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["applied"] == str(conf / "autoconfig.json") and len(result["sweep"]) == 3
+    # pin a pair the derivation would not give, so "the saved values are used" is visible in what runs
+    stored = json.loads((conf / "autoconfig.json").read_text())
+    stored["configs"]["cpu"]["settings"]["num_workers"]["value"] = 1
+    stored["configs"]["cpu"]["settings"]["num_local_schedulers"]["value"] = 1
+    (conf / "autoconfig.json").write_text(json.dumps(stored))
+
+    torch.manual_seed(3)
+    model_dir = tmp_path / "model"
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False)).eval()
+    hf.save_pretrained(model_dir, safe_serialization=True)
+    prompt = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, 5:].tolist()
+    child = run_python(f"""
+        import json, torch, yirage as yr
+        from yirage.autoconfig_sweep import TINY
+        model = TINY.build(); model.reset_cache(1, 12)
+        pk = model.build_decoder(torch.tensor([0]), torch.zeros(1, 12, dtype=torch.int64), backend="cpu", tasks=4)
+        pk_explicit = model.build_decoder(torch.tensor([0]), torch.zeros(1, 12, dtype=torch.int64), backend="cpu",
+                                          tasks=4, num_workers=2, num_local_schedulers=0)
+        engine = yr.InferEngine({str(model_dir)!r}, backend="cpu")
+        res = engine.generate({prompt.tolist()!r}, yr.GenerationConfig(max_new_tokens=4, eos_token_id=()))
+        (decoder,) = engine._decoders.values()
+        print(json.dumps({{"pk": [pk.runtime.workers, pk.runtime.schedulers, pk.config.sources()],
+                          "explicit": [pk_explicit.runtime.workers, pk_explicit.runtime.schedulers,
+                                       pk_explicit.config.sources()],
+                          "engine": [decoder.runtime.workers, decoder.runtime.schedulers, decoder.config.sources()],
+                          "tokens": res.tokens[0].tolist()}}))
+    """, conf)
+    assert child.returncode == 0, child.stderr[-3000:]
+    got = json.loads(child.stdout.strip().splitlines()[-1])
+    saved = {"num_workers": "saved", "num_local_schedulers": "saved"}
+    assert got["pk"] == [1, 1, saved] and got["engine"] == [1, 1, saved]
+    assert got["explicit"] == [2, 0, {"num_workers": "explicit", "num_local_schedulers": "explicit"}]
+    assert got["tokens"] == want  # the saved configuration decodes what transformers decodes
+
+
+# -- the command line ------------------------------------------------------------------------------------------
+@needs_cpu
+def test_info_shows_the_active_config_and_where_each_value_came_from(capsys) -> None:
+    assert cli.main(["info", "--json"]) == 0
+    active = json.loads(capsys.readouterr().out)["pk_config"]
+    assert active["backend"] == "cpu"
+    assert {n: s["source"] for n, s in active["settings"].items()} == {"num_workers": "derived",
+                                                                       "num_local_schedulers": "derived"}
+    _apply(1, 0)
+    assert cli.main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert "PersistentKernel configuration (backend cpu" in text
+    assert re.search(r"num_workers\s+1\s+saved", text), text
+
+
+@pytest.mark.parametrize(("args", "cause"), [
+    (["--backend", "nosuch"], "'nosuch'"), (["--backend", "cuda"], "'cuda'.*unavailable"),
+])
+def test_optimize_refuses_unknown_and_unavailable_backends(capsys, args, cause) -> None:
+    assert cli.main(["optimize", *args, "--no-sweep"]) == 2
+    err = capsys.readouterr().err
+    assert "yirage: error:" in err
+    assert re.search(cause, err), err
+
+
+@pytest.mark.parametrize("duration", ["-1", "0", "nan", "soon"])
+def test_optimize_refuses_bad_durations(capsys, duration) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["optimize", "--backend", "cpu", "--duration", duration])
+    assert info.value.code == 2
+    assert "--duration" in capsys.readouterr().err
+
+
+@needs_cpu
+def test_optimize_prints_the_choice_and_the_table(capsys) -> None:
+    assert cli.main(["optimize", "--backend", "auto", "--duration", "0.3", "--candidates", "2", "--model",
+                     "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "num_workers" in out and "measured" in out
+    assert "candidate" in out and "median ms/step" in out and "chosen" in out
+    assert not (Path(os.environ["YIRAGE_CONFIG_DIR"]) / "autoconfig.json").exists()  # no --apply: nothing saved
