@@ -240,11 +240,13 @@ class MatmulRenderer:
                         emit(f"x{r} = a{r}[kk]")
                         for c in range(4):
                             emit(f"s{r}{c} = {fma_src(f's{r}{c}', f'x{r}', f'b{c}', ct)}")
-                for r in range(height):
-                    emit(f"mm = m0 + U({r})")
-                    for c in range(4):
-                        emit(f"nc = nn + U({c})")
-                        self.store(f"s{r}{c}", "nc")
+                # the epilogue once, in a loop over the tile: inlined per accumulator, 16 copies of e.g. silu's
+                # exp made LLVM take ~10 s per kernel
+                emit(f"tile = ({', '.join(f's{r}{c}' for r in range(height) for c in range(4))},)")
+                with emit.block(f"for e in range(U({height * 4})):"):
+                    emit("mm = m0 + e // U(4)")
+                    emit("nc = nn + e % U(4)")
+                    self.store("tile[e]", "nc")
 
     def render_gemm(self) -> list[str]:
         """Prologue and epilogue kernels around torch's BLAS matmul in the launcher."""
