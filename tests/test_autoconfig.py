@@ -252,7 +252,8 @@ def test_an_applied_config_for_another_device_is_ignored_with_a_warning(caplog) 
         pk = _tiny_pk()
     assert "ignoring the applied configuration" in caplog.text and "Another CPU" in caplog.text
     assert (pk.runtime.workers, pk.runtime.schedulers) == cpu_rule()
-    assert pk.config.sources() == {"num_workers": "derived", "num_local_schedulers": "derived"}
+    sources = pk.config.sources()
+    assert (sources["num_workers"], sources["num_local_schedulers"]) == ("derived", "derived")
 
 
 @needs_cpu
@@ -309,9 +310,10 @@ def test_optimize_apply_then_new_processes_use_the_saved_config(tmp_path) -> Non
     """, conf)
     assert child.returncode == 0, child.stderr[-3000:]
     got = json.loads(child.stdout.strip().splitlines()[-1])
-    saved = {"num_workers": "saved", "num_local_schedulers": "saved"}
+    saved = {"num_workers": "saved", "num_local_schedulers": "saved", "tasks_per_layer": "derived"}
     assert got["pk"] == [1, 1, saved] and got["engine"] == [1, 1, saved]
-    assert got["explicit"] == [2, 0, {"num_workers": "explicit", "num_local_schedulers": "explicit"}]
+    assert got["explicit"] == [2, 0, {"num_workers": "explicit", "num_local_schedulers": "explicit",
+                                      "tasks_per_layer": "derived"}]
     assert got["tokens"] == want  # the saved configuration decodes what transformers decodes
 
 
@@ -321,8 +323,8 @@ def test_info_shows_the_active_config_and_where_each_value_came_from(capsys) -> 
     assert cli.main(["info", "--json"]) == 0
     active = json.loads(capsys.readouterr().out)["pk_config"]
     assert active["backend"] == "cpu"
-    assert {n: s["source"] for n, s in active["settings"].items()} == {"num_workers": "derived",
-                                                                       "num_local_schedulers": "derived"}
+    assert {n: s["source"] for n, s in active["settings"].items()} == {
+        "num_workers": "derived", "num_local_schedulers": "derived", "tasks_per_layer": "derived"}
     _apply(1, 0)
     assert cli.main(["info"]) == 0
     text = capsys.readouterr().out

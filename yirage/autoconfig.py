@@ -207,6 +207,8 @@ def derive(backend: Backend) -> BackendConfig:
     else:
         values["threads"] = Setting(None, "derived", "not applicable: the device schedules its own threads",
                                     tunable=False)
+    for key, value in proposal.items():  # the backend's other choices (cpu: tasks_per_layer)
+        values.setdefault(key, Setting(value, "derived", how))
     values["memory_budget"] = _memory_budget(backend, device)
     values.update(_tuning(device))
     logger.debug("derived %s configuration: %s (%s; caches %s)", backend.name,

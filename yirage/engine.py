@@ -91,13 +91,14 @@ class InferEngine:
                  num_workers: int | None = None, num_local_schedulers: int | None = None,
                  tasks_per_layer: int | None = None) -> None:
         """``tasks_per_layer``: how many tasks each projection is split into (the LM head gets twice as many;
-        default 16). Fewer, larger tasks cost less scheduling; more balance better across many workers."""
+        default: the backend's proposal, see LlamaModel.build_decoder). Fewer, larger tasks cost less per task;
+        more balance better across many workers."""
         from yirage.backend.selection import current_backend, resolve
 
         if tasks_per_layer is not None and (isinstance(tasks_per_layer, bool) or not isinstance(tasks_per_layer, int)
                                             or tasks_per_layer < 1):
             raise ValueError(f"tasks_per_layer must be a positive int, got {tasks_per_layer!r}; pass e.g. 4, or "
-                             "None for the default (16)")
+                             "None for the backend's default")
         self.tasks_per_layer = tasks_per_layer
         self._lock = ForkSafeRLock()  # a child forked while another thread generates gets a fresh lock
         self.backend = (current_backend(need="persistent") if backend is None

@@ -240,6 +240,10 @@ def dense(weight: Any) -> Any:
     return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight.to(torch.float32)
 
 
+#: tasks per projection when the backend proposes none (its default_config has no "tasks_per_layer")
+DEFAULT_TASKS = 16
+
+
 def divisor_near(n: int, target: int) -> int:
     """The divisor of ``n`` closest to ``target`` (task counts must split columns evenly)."""
     divisors = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
@@ -435,8 +439,13 @@ class LlamaModel:
     # -- decode as a PersistentKernel ---------------------------------------------------------
     def build_decoder(self, step: Any, tokens: Any, backend: Any = None, num_workers: int | None = None,
                       num_local_schedulers: int | None = None, eos_token_id: Any = None,
-                      sampling: dict[str, Any] | None = None, profiler_tensor: Any = None, tasks: int = 16) -> Any:
-        """A PersistentKernel that decodes with these weights and caches (call reset_cache first)."""
+                      sampling: dict[str, Any] | None = None, profiler_tensor: Any = None,
+                      tasks: int | None = None) -> Any:
+        """A PersistentKernel that decodes with these weights and caches (call reset_cache first).
+
+        ``tasks``: tasks per projection (the LM head gets twice as many); None: the ``tasks_per_layer`` of the
+        kernel's configuration (the backend's ``default_config`` or a saved one), else 16.
+        """
         import torch
 
         from yirage.persistent.kernel import PersistentKernel
@@ -448,6 +457,8 @@ class LlamaModel:
         pk = PersistentKernel(num_workers=num_workers, num_local_schedulers=num_local_schedulers,
                               max_seq_length=max_len, eos_token_id=eos_token_id, meta_tensors=[step, tokens],
                               profiler_tensor=profiler_tensor, backend=backend)
+        if tasks is None:
+            tasks = int(pk.config.values().get("tasks_per_layer") or DEFAULT_TASKS)
         att = pk.attach_input
         cos, sin = att(self.cos, "rope_cos"), att(self.sin, "rope_sin")
         x = pk.new_tensor((batch, c.hidden), name="x0")

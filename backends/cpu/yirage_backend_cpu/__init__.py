@@ -63,15 +63,20 @@ class CPUBackend(yirage.Backend):
         return CPUPersistentRuntime(program, config)
 
     def default_config(self, device: yirage.DeviceInfo) -> dict[str, int]:
-        """One thread per physical core; workers release tasks themselves on small machines.
+        """One thread per physical core; workers release tasks themselves on small machines; two tasks per
+        projection and thread.
 
         A dedicated scheduler thread costs a core that would otherwise stream
         weights: on 2 cores it halves decode speed (benchmark/llm_decode.py
-        prints the sweep), so dedicated schedulers start at 8 cores.
+        prints the sweep), so dedicated schedulers start at 8 cores. Each task
+        pays for its own normalization / activation of x and a cold start of
+        its weight stream: on 2 cores, 16 tasks per projection measured 1.39x
+        slower than 4 for Q4_0 on the 30-layer W6 model (4.54 against 3.27
+        ms/token) and 1.07x for float32 (17.2 against 16.1); W4 ran best at 4-8.
         """
         cores = max(1, device.compute_units or 1)
         schedulers = cores // 8
-        return {"num_workers": cores - schedulers, "num_local_schedulers": schedulers}
+        return {"num_workers": cores - schedulers, "num_local_schedulers": schedulers, "tasks_per_layer": 2 * cores}
 
     # -- compile stages (yirage_backend_cpu.compile), cached by the core's compile_cached --
     def compile(self, plan: Any, graph: Any) -> Any:
