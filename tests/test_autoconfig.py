@@ -257,6 +257,35 @@ def test_an_applied_config_for_another_device_is_ignored_with_a_warning(caplog) 
 
 
 @needs_cpu
+def test_kernel_graphs_run_on_the_applied_thread_count(monkeypatch) -> None:
+    """The applied ``threads`` reaches the cpu backend's kernel graphs: numba's count is set around each call
+    (and restored); without an applied configuration numba's default is left alone. Results stay torch's."""
+    import numba
+    import torch
+
+    def graph_and_inputs():
+        g = yr.new_kernel_graph(backend="cpu")
+        a, b = g.new_input((64, 512)), g.new_input((64, 512))
+        g.mark_output(g.add(g.mul(a, b), a))
+        gen = torch.Generator().manual_seed(5)
+        return g, [torch.randn(64, 512, generator=gen), torch.randn(64, 512, generator=gen)]
+
+    calls: list[int] = []
+    real = numba.set_num_threads
+    monkeypatch.setattr(numba, "set_num_threads", lambda n: (calls.append(n), real(n))[1])
+    g, (a, b) = graph_and_inputs()
+    torch.testing.assert_close(g([a, b])[0], a * b + a)
+    assert calls == []  # nothing applied: numba's default
+    cfg = _apply(1, 0)
+    cfg.settings["threads"] = autoconfig.Setting(1, "measured", "test")
+    autoconfig.apply(cfg)
+    before = numba.get_num_threads()
+    g, (a, b) = graph_and_inputs()
+    torch.testing.assert_close(g([a, b])[0], a * b + a)
+    assert calls == [1, before] and numba.get_num_threads() == before
+
+
+@needs_cpu
 def test_a_corrupted_applied_file_stops_the_kernel_naming_path_and_fix(private_settings) -> None:
     path = private_settings / "autoconfig.json"
     path.write_text("{oops")

@@ -21,6 +21,8 @@ Applied configurations (``backend_manager.py optimize --backend B --apply``) liv
 
 A PersistentKernel (and so InferEngine and LlamaModel.build_decoder) uses the entry of its backend
 when the caller passes no ``num_workers``/``num_local_schedulers``; explicit arguments always win.
+Backends read what else applies to them with :func:`saved_for` (the cpu backend runs its kernel graphs
+on the entry's ``threads``).
 An entry saved for another device (its fingerprint: vendor, name, kind, compute units) is ignored
 with a WARNING; a corrupted file raises :class:`SavedConfigError` naming the path and the fix.
 """

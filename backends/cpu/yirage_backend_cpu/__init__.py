@@ -81,9 +81,20 @@ class CPUBackend(yirage.Backend):
     # -- compile stages (yirage_backend_cpu.compile), cached by the core's compile_cached --
     def compile(self, plan: Any, graph: Any) -> Any:
         from yirage_backend_cpu.compile import compile_plan
+        from yirage_backend_cpu.threads import with_threads
 
         self.require_available()
-        return compile_plan(self, plan)
+        return with_threads(compile_plan(self, plan), self.applied_threads())
+
+    def applied_threads(self) -> int | None:
+        """The ``threads`` of the configuration ``backend_manager.py optimize --backend cpu --apply`` saved for
+        this device (kernel graphs then run on that many numba threads); None: numba's default."""
+        from yirage.autoconfig import saved_for
+        from yirage.backend.base import checked_device_info
+
+        saved = saved_for(self, checked_device_info(self, 0))
+        setting = None if saved is None else saved.settings.get("threads")
+        return None if setting is None or setting.value is None else int(setting.value)
 
     def render(self, plan: Any) -> str:
         from yirage_backend_cpu.compile import render

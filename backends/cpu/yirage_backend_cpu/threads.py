@@ -120,6 +120,30 @@ def guard(run: Callable[[Any], list[Any]]) -> Callable[[Any], list[Any]]:
     return guarded
 
 
+def with_threads(run: Callable[[Any], list[Any]], threads: int | None) -> Callable[[Any], list[Any]]:
+    """``run`` on at most ``threads`` numba threads (an applied configuration's count); None: numba's default.
+
+    numba's thread count is per calling thread, so it is set around each call and restored.
+    """
+    if threads is None:
+        return run
+    import numba
+
+    count = max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS))
+
+    def limited(inputs: Any) -> list[Any]:
+        previous = numba.get_num_threads()
+        numba.set_num_threads(count)
+        try:
+            return run(inputs)
+        finally:
+            numba.set_num_threads(previous)
+
+    limited.__wrapped__ = run  # type: ignore[attr-defined]
+    limited.threads = count  # type: ignore[attr-defined]
+    return limited
+
+
 def serialized() -> Any:
     """A context manager that serializes launches when the layer requires it (a no-op otherwise)."""
     import contextlib
