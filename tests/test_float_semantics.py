@@ -209,6 +209,20 @@ def test_argmax_row_matches_torch_argmax_with_nan_and_inf() -> None:
     for row in rows:
         logits = np.concatenate([np.zeros(3, np.float32), row.numpy()])  # base offset 3
         assert pk_tasks.argmax_row(logits, 3, 50) == int(torch.argmax(row))
+    # seeded rows of every length around the 16-lane blocks, with specials dropped in, against torch
+    seed = 20261123
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e30, -1e30], np.float32)
+    for n in [*range(1, 70), 1000, 4099]:
+        for _ in range(8):
+            row = rng.standard_normal(n).astype(np.float32)
+            for _ in range(int(rng.integers(0, 4))):
+                row[rng.integers(0, n)] = specials[rng.integers(0, len(specials))]
+            if rng.random() < 0.1:
+                row[:] = -np.inf if rng.random() < 0.5 else row[0]
+            logits = np.concatenate([np.zeros(3, np.float32), row])
+            assert pk_tasks.argmax_row(logits, 3, n) == int(torch.argmax(torch.from_numpy(row))), row
 
 
 def test_sample_row_never_draws_nan_and_handles_infinities() -> None:

@@ -208,17 +208,39 @@ def attention(qkv, b, g, group, d, pos, kc, vc, cache_seq, kv_heads, cos, sin, o
                 o[i] += w * val[i]
 
 
+ARGMAX_LANES = 16
+
+
 @njit(**OPTS)
 def argmax_row(logits, base, vocab):  # type: ignore[no-untyped-def]
-    """torch.argmax of one row: the first maximum, or the first NaN if the row has one."""
-    best = 0
-    top = logits[base]
-    for i in range(1, vocab):
+    """torch.argmax of one row: the first maximum, or the first NaN if the row has one.
+
+    Two passes: the largest value and whether a NaN occurs, in 16 independent lanes (selects, so the
+    loop vectorizes without fast-math), then the first index holding it. The one-pass scalar loop took
+    207 us over a 49152-token vocabulary, once per decode step with the other threads idle; this 45 us.
+    """
+    acc = np.full(ARGMAX_LANES, -np.inf, np.float32)
+    odd = np.zeros(ARGMAX_LANES, np.int32)
+    full = vocab - vocab % ARGMAX_LANES
+    for i in range(0, full, ARGMAX_LANES):
+        for j in range(ARGMAX_LANES):
+            v = logits[base + i + j]
+            acc[j] = v if v > acc[j] else acc[j]
+            odd[j] |= v != v
+    top = acc[0]
+    nan = odd[0]
+    for j in range(1, ARGMAX_LANES):
+        top = acc[j] if acc[j] > top else top
+        nan |= odd[j]
+    for i in range(full, vocab):
         v = logits[base + i]
-        if top == top and (v > top or v != v):
-            top = v
-            best = i
-    return best
+        top = v if v > top else top
+        nan |= v != v
+    for i in range(vocab):
+        v = logits[base + i]
+        if (v != v) if nan else (v == top):
+            return i
+    return 0
 
 
 @njit(**OPTS)
