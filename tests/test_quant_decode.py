@@ -81,7 +81,7 @@ def quant_kernel_rows(fmt: str, w: QuantizedTensor, x: torch.Tensor, bias: torch
                       res: torch.Tensor | None, groups: bool = False, rows: tuple[int, int] | None = None
                       ) -> torch.Tensor:
     """The CPU runtime's quantized GEMV task body over rows [n0, n1) (default: all; others stay 0), on the blocks
-    as they are or, with ``groups``, repacked in 8-row groups the way the runtime does for Q4_0."""
+    as they are or, with ``groups``, repacked in 8-row groups the way the runtime does."""
     from yirage_backend_cpu import pk_quant, quant_group
 
     batch, k = x.shape
@@ -91,8 +91,9 @@ def quant_kernel_rows(fmt: str, w: QuantizedTensor, x: torch.Tensor, bias: torch
     code = pk_quant.dtype_code(fmt, w.blocks)  # as the runtime classifies them (non-finite scales: exact path)
     blocks = w.blocks
     if groups:
-        assert code == pk_quant.Q4_0
-        blocks, code = quant_group.repack_q4_0(w.blocks), pk_quant.Q4_0G
+        assert code in (pk_quant.Q4_0, pk_quant.Q8_0)
+        blocks, code = ((quant_group.repack_q4_0(w.blocks), pk_quant.Q4_0G) if code == pk_quant.Q4_0 else
+                        (quant_group.repack_q8_0(w.blocks), pk_quant.Q8_0G))
     n0, n1 = rows or (0, n)
     pk_quant.linear_q(x.contiguous().view(-1).numpy(), batch, k, blocks.data_ptr(), code, n0, n1, out, n,
                       none if res is None else res.contiguous().view(-1).numpy(),
@@ -114,11 +115,11 @@ def error_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     return step @ per_block.t() + 1e-5 * (x.double().abs() @ dense.abs().t())
 
 
-LAYOUTS = [("q8_0", False), ("q4_0", False), ("q4_0", True)]  # Q4_0 as rows and in the runtime's 8-row groups
+LAYOUTS = [("q8_0", False), ("q4_0", False), ("q8_0", True), ("q4_0", True)]  # rows, and the runtime's 8-row groups
 
 
 @pytest.mark.parametrize("k", (32, 96, 576))  # one block, an odd count (the unpaired tail), a model's hidden size
-@pytest.mark.parametrize(("fmt", "groups"), LAYOUTS, ids=("q8_0", "q4_0", "q4_0-groups"))
+@pytest.mark.parametrize(("fmt", "groups"), LAYOUTS, ids=("q8_0", "q4_0", "q8_0-groups", "q4_0-groups"))
 def test_cpu_quant_rows_match_float64_on_the_dequantized_blocks(fmt, groups, k) -> None:
     need_cpu()
     gen = torch.Generator().manual_seed(SEED + k)
@@ -135,47 +136,51 @@ def test_cpu_quant_rows_match_float64_on_the_dequantized_blocks(fmt, groups, k) 
     assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, excess {float((err - bound).max()):.3g}"
 
 
-def test_cpu_q4_groups_serve_task_ranges_that_cut_groups() -> None:
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cpu_groups_serve_task_ranges_that_cut_groups(fmt) -> None:
     """A task's rows need not start or end on a group of 8: rows outside [n0, n1) stay untouched, rows inside are
     the full GEMV's (bit for bit: the same group pass computes them)."""
     need_cpu()
     gen = torch.Generator().manual_seed(SEED)
     print(f"seed {SEED}")
-    w = quantize(torch.randn(48, 96, generator=gen), "q4_0")
+    w = quantize(torch.randn(48, 96, generator=gen), fmt)
     x, res = torch.randn(2, 96, generator=gen), torch.randn(2, 48, generator=gen)
-    full = quant_kernel_rows("q4_0", w, x, None, res, groups=True)
+    full = quant_kernel_rows(fmt, w, x, None, res, groups=True)
     for n0, n1 in ((3, 13), (8, 16), (0, 5), (45, 48), (17, 18)):
-        part = quant_kernel_rows("q4_0", w, x, None, res, groups=True, rows=(n0, n1))
+        part = quant_kernel_rows(fmt, w, x, None, res, groups=True, rows=(n0, n1))
         assert torch.equal(part[:, n0:n1], full[:, n0:n1]), (n0, n1)
         assert not part[:, :n0].any() and not part[:, n1:].any(), (n0, n1)
 
 
-def test_cpu_q4_groups_keep_torch_results_for_nonfinite_x() -> None:
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cpu_groups_keep_torch_results_for_nonfinite_x(fmt) -> None:
     """x with inf or NaN cannot be scaled to int16: the 8-row groups then take a float32 path, whose infinities and
     NaNs are torch's on the dequantized matrix."""
     need_cpu()
     gen = torch.Generator().manual_seed(SEED)
-    w = quantize(torch.rand(16, 64, generator=gen) + 0.1, "q4_0")  # no zero value: inf * 0 would be NaN
+    w = quantize(torch.rand(16, 64, generator=gen) + 0.1, fmt)  # no zero value: inf * 0 would be NaN
     x = torch.rand(2, 64, generator=gen)
     x[0, 5], x[1, 40] = float("inf"), float("nan")
-    ours = quant_kernel_rows("q4_0", w, x, None, None, groups=True)
+    ours = quant_kernel_rows(fmt, w, x, None, None, groups=True)
     ref = x @ w.dequantize().t()
     assert torch.equal(torch.isnan(ours), torch.isnan(ref)) and torch.equal(torch.isinf(ours), torch.isinf(ref))
     assert torch.equal(ours[torch.isinf(ref)], ref[torch.isinf(ref)])
 
 
-def test_cpu_q4_groups_dequantize_any_row_and_columns() -> None:
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cpu_groups_dequantize_any_row_and_columns(fmt) -> None:
     """The embed lookup reads the repacked blocks too (tied embeddings): every row, column ranges across blocks."""
     need_cpu()
     from yirage_backend_cpu import pk_quant, quant_group
 
-    w = quantize(awkward_matrix(SEED, 24, 96), "q4_0")
-    packed = quant_group.repack_q4_0(w.blocks)
+    w = quantize(awkward_matrix(SEED, 24, 96), fmt)
+    packed = (quant_group.repack_q4_0 if fmt == "q4_0" else quant_group.repack_q8_0)(w.blocks)
     dense = w.dequantize()
     for row in range(24):
         for c0, count in ((0, 96), (5, 40), (31, 2), (64, 32)):
             got = np.zeros(count, np.float32)
-            pk_quant.dequantize_row(packed.data_ptr(), pk_quant.Q4_0G, 96, row, c0, count, got)
+            code = pk_quant.Q4_0G if fmt == "q4_0" else pk_quant.Q8_0G
+            pk_quant.dequantize_row(packed.data_ptr(), code, 96, row, c0, count, got)
             assert torch.equal(torch.from_numpy(got), dense[row, c0:c0 + count]), (row, c0)
 
 
@@ -333,9 +338,10 @@ def test_every_half_scale_widens_exactly(f16c, groups, monkeypatch) -> None:
 
         @njit(cache=False)
         def group_rows(xq, dx, packed, out):  # type: ignore[no-untyped-def]
+            lo, hi, sums = (xq & 255).astype(np.uint8), (xq >> 8).astype(np.int8), np.zeros(1, np.int32)
             for g in range(out.shape[0] // 8):
-                quant_group.dot_q4_group_x16(xq.ctypes.data, dx.ctypes.data, packed.ctypes.data + g * 144, 1,
-                                             out.ctypes.data + g * 32)
+                quant_group.dot_q4_group(lo.ctypes.data, hi.ctypes.data, sums.ctypes.data, dx.ctypes.data,
+                                         packed.ctypes.data + g * 144, 1, out.ctypes.data + g * 32)
 
         blocks = np.full((1 << 16, 18), 0x99, np.uint8)  # every Q4_0 value 9 - 8 = +1
         blocks[:, :2] = bits.view(np.uint8).reshape(-1, 2)
@@ -351,3 +357,56 @@ def test_every_half_scale_widens_exactly(f16c, groups, monkeypatch) -> None:
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(out), nan)
     assert np.array_equal(out[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("vnni", (True, False), ids=("vnni", "portable"))
+def test_groups_take_int16_x_exactly_through_both_byte_dots(vnni, fmt, monkeypatch) -> None:
+    """The group dots split int16 x into an unsigned low and a signed high byte (quant_group): through vpdpbusd
+    and through the portable integer vectors hosts without VNNI compile, every block's integer sum must be the
+    exact sum of q * x (q: the weight's integer value), here at int16's extremes (+-32767 in every block: the
+    high byte's sign and the folded offset) and q's (-128 / -8), checked against float64 sums of the dequantized
+    blocks."""
+    need_cpu()
+    from numba import njit
+    from yirage_backend_cpu import quant_group
+
+    if vnni and not quant_group.VNNI:
+        pytest.skip("this host has no AVX-512 VNNI")
+    monkeypatch.setattr(quant_group, "VNNI", vnni)  # read when the intrinsics are compiled, below
+
+    @njit(cache=False)
+    def rows(x, packed, n, nb, out, xlo, xhi, sums, dx, q8):  # type: ignore[no-untyped-def]
+        ok = quant_group.quantize_x16_split(x.ctypes.data, nb, xlo.ctypes.data, xhi.ctypes.data, sums.ctypes.data,
+                                            dx.ctypes.data)
+        for g in range(n // 8):
+            if q8:
+                quant_group.dot_q8_group(xlo.ctypes.data, xhi.ctypes.data, sums.ctypes.data, dx.ctypes.data,
+                                         packed.ctypes.data + g * nb * 272, nb, out.ctypes.data + g * 32)
+            else:
+                quant_group.dot_q4_group(xlo.ctypes.data, xhi.ctypes.data, sums.ctypes.data, dx.ctypes.data,
+                                         packed.ctypes.data + g * nb * 144, nb, out.ctypes.data + g * 32)
+        return ok
+
+    gen = torch.Generator().manual_seed(SEED)
+    print(f"seed {SEED}")
+    k, n = 96, 16
+    w = quantize(torch.randn(n, k, generator=gen), fmt)
+    w.blocks.view(n, -1, 34 if fmt == "q8_0" else 18)[0, 0, 2:] = 0x80 if fmt == "q8_0" else 0  # q = -128 / -8
+    x = torch.randn(k, generator=gen)
+    x[::32], x[1::32] = 5.0, -5.0  # each block's largest |x| twice, both signs: quants +-32767
+    x[5] = -4.99
+    packed = (quant_group.repack_q8_0 if fmt == "q8_0" else quant_group.repack_q4_0)(w.blocks).numpy()
+    out = np.zeros(n, np.float32)
+    scratch = (np.zeros(k, np.uint8), np.zeros(k, np.int8), np.zeros(k // 32, np.int32), np.zeros(k // 32, np.float32))
+    assert rows(x.numpy(), packed, n, k // 32, out, *scratch, fmt == "q8_0") == 1
+    bb = 34 if fmt == "q8_0" else 18
+    xq = torch.round(x.double().view(-1, 32) / 5.0 * 32767).view(-1)  # the rounding the kernel does: an oracle
+    sums = (w.dequantize().double().view(n, -1, 32) / w.blocks.view(n, -1, bb)[:, :, :2].contiguous()
+            .view(torch.float16).double()).round()  # q, (n, blocks, 32)
+    ints = (sums * xq.view(1, -1, 32)).sum(-1)  # exact: integers below 2^53
+    scales = w.blocks.view(n, -1, bb)[:, :, :2].contiguous().view(torch.float16).double().squeeze(-1)
+    ref = (ints * scales * (5.0 / 32767)).sum(-1)
+    err = (torch.from_numpy(out).double() - ref).abs()
+    bound = 1e-6 * (ints.abs() * scales.abs() * (5.0 / 32767)).sum(-1) + 1e-30
+    assert bool((err <= bound).all()), f"max error {float(err.max()):.3g} against bound {float(bound.min()):.3g}"

@@ -8,9 +8,9 @@ are even, so every scale is a 2-byte-aligned uint16 of the same buffer.
 Like the float tile (pk_tasks.linear_f32), a task walks its rows one after
 another (one sequential stream) and dots each with every batch row of x.
 Each block's 32 products are summed, then scaled once: ``s += d * (x . q)``.
-Q4_0 matrices whose row count is a multiple of 8 arrive repacked in groups of
-8 rows (quant_group, code Q4_0G): a task then walks its groups, eight rows
-per pass.
+Matrices whose row count is a multiple of 8 arrive repacked in groups of 8
+rows (quant_group, codes Q4_0G and Q8_0G): a task then walks its groups,
+eight rows per pass.
 """
 
 from __future__ import annotations
@@ -29,7 +29,14 @@ from yirage_backend_cpu.quant_dot import (
     dot_q8_x16_row,
     quantize_x16,
 )
-from yirage_backend_cpu.quant_group import GROUP, Q4_GROUP_BYTES, dot_q4_group_x16
+from yirage_backend_cpu.quant_group import (
+    GROUP,
+    Q4_GROUP_BYTES,
+    Q8_GROUP_BYTES,
+    dot_q4_group,
+    dot_q8_group,
+    quantize_x16_split,
+)
 from yirage_backend_cpu.sources import tie_caches_to_sources
 
 U = np.uint64
@@ -39,8 +46,8 @@ OPTS = {"fastmath": FASTMATH, "error_model": "numpy", "nogil": True, "cache": Tr
 # dtype codes of the CPU runtime's address table (after pk_tasks' F32, BF16, F16, I64); the X codes are the
 # same formats with a non-finite block scale somewhere (hand-made blocks): their rows take the float path,
 # which keeps torch's inf/NaN results (integer partial sums times an inf scale could turn inf into NaN);
-# Q4_0G: Q4_0 with finite scales, repacked in 8-row groups (quant_group.repack_q4_0)
-Q8_0, Q4_0, Q8_0X, Q4_0X, Q4_0G = 4, 5, 6, 7, 8
+# Q4_0G / Q8_0G: Q4_0 / Q8_0 with finite scales, repacked in 8-row groups (quant_group.repack)
+Q8_0, Q4_0, Q8_0X, Q4_0X, Q4_0G, Q8_0G = 4, 5, 6, 7, 8, 9
 BLOCK = 32
 Q8_BYTES, Q4_BYTES = 34, 18
 
@@ -52,7 +59,7 @@ def u8s(address, n):  # type: ignore[no-untyped-def]
 
 @njit(inline="always", **OPTS)
 def block_bytes(dtype):  # type: ignore[no-untyped-def]
-    return Q8_BYTES if dtype == Q8_0 or dtype == Q8_0X else Q4_BYTES
+    return Q8_BYTES if dtype == Q8_0 or dtype == Q8_0X or dtype == Q8_0G else Q4_BYTES
 
 
 @njit(inline="always", **OPTS)
@@ -81,8 +88,8 @@ def linear_q(xs, batch, k, w_addr, dtype, n0, n1, out, out_cols, res, bias, work
 
     ``work``: float32 scratch of at least batch * k values (x as int16 and its block scales).
     """
-    if dtype == Q4_0G:
-        linear_q4_groups(xs, batch, k, w_addr, n0, n1, out, out_cols, res, bias, work)
+    if dtype == Q4_0G or dtype == Q8_0G:
+        linear_groups(xs, batch, k, w_addr, dtype, n0, n1, out, out_cols, res, bias, work)
         return
     nb = k // BLOCK
     rb = row_bytes(dtype, k)
@@ -107,26 +114,31 @@ def linear_q(xs, batch, k, w_addr, dtype, n0, n1, out, out_cols, res, bias, work
 
 
 @njit(**OPTS)
-def linear_q4_groups(xs, batch, k, w_addr, n0, n1, out, out_cols, res, bias, work):  # type: ignore[no-untyped-def]
-    """linear_q on a Q4_0G matrix: every group that holds a row of n0..n1, whole, eight rows per pass; rows
+def linear_groups(xs, batch, k, w_addr, dtype, n0, n1, out, out_cols, res, bias, work):  # type: ignore[no-untyped-def]
+    """linear_q on a Q4_0G or Q8_0G matrix: every group that holds a row of n0..n1, whole, eight rows per pass; rows
     outside the task's range are computed and dropped (tasks of 8-aligned rows drop none)."""
     nb = k // BLOCK
-    x0 = xs.ctypes.data
-    xq0 = work.ctypes.data
-    dx0 = xq0 + batch * k * 2
-    eight = work[batch * k - GROUP:batch * k]  # past x's int16 and scales (k >= 32)
-    if quantize_x16(x0, batch * nb, xq0, dx0) == 1:
+    lo0 = work.ctypes.data  # x's low bytes, high bytes, block scales and sums of high bytes (quant_group)
+    hi0 = lo0 + batch * k
+    dx0 = hi0 + batch * k
+    sx0 = dx0 + batch * nb * 4
+    eight = work[batch * k - GROUP:batch * k]  # past them (2.25 of the 4 bytes per value; k >= 32)
+    if quantize_x16_split(xs.ctypes.data, batch * nb, lo0, hi0, sx0, dx0) == 1:
         for g in range(n0 // GROUP, (n1 + GROUP - 1) // GROUP):
-            group = w_addr + g * nb * Q4_GROUP_BYTES
             for b in range(batch):
-                dot_q4_group_x16(xq0 + b * k * 2, dx0 + b * nb * 4, group, nb, eight.ctypes.data)
+                if dtype == Q8_0G:
+                    dot_q8_group(lo0 + b * k, hi0 + b * k, sx0 + b * nb * 4, dx0 + b * nb * 4,
+                                 w_addr + g * nb * Q8_GROUP_BYTES, nb, eight.ctypes.data)
+                else:
+                    dot_q4_group(lo0 + b * k, hi0 + b * k, sx0 + b * nb * 4, dx0 + b * nb * 4,
+                                 w_addr + g * nb * Q4_GROUP_BYTES, nb, eight.ctypes.data)
                 for r in range(max(n0 - g * GROUP, 0), min(n1 - g * GROUP, GROUP)):
                     out[U(b) * U(out_cols) + U(g * GROUP + r)] = eight[r]
         finish_rows(out, out_cols, batch, n0, n1, res, bias)
         return
     row = work[:k]  # x holds inf or NaN: each row dequantized, then a float32 dot, so results are torch's
     for n in range(n0, n1):
-        dequantize_row(w_addr, Q4_0G, k, n, 0, k, row)
+        dequantize_row(w_addr, dtype, k, n, 0, k, row)
         for b in range(batch):
             s = F(0)
             for i in range(k):
@@ -165,16 +177,20 @@ def dequantize_row(w_addr, dtype, k, row, c0, count, dst):  # type: ignore[no-un
     """Columns [c0, c0 + count) of one row as float32 (the embed lookup: any column range, any block)."""
     bb = block_bytes(dtype)
     rb = row_bytes(dtype, k)
-    if dtype == Q4_0G:  # block j of row 8g + r: scale at 2r of the group's block, quants in 4 chunks (quant_group)
-        g, r = row // GROUP, row % GROUP
+    if dtype == Q4_0G or dtype == Q8_0G:  # block j of row 8g + r: scale at 2r of the group's block, then the
+        g, r = row // GROUP, row % GROUP  # quants in chunks of 4 bytes per row (quant_group)
         raw = u8s(w_addr, (g + 1) * GROUP * rb)
         for c in range(c0, c0 + count):
             j, i = c // BLOCK, c % BLOCK
-            at = g * GROUP * rb + j * Q4_GROUP_BYTES
+            at = g * GROUP * rb + j * GROUP * bb
             d = half_to_float(np.uint16(np.uint32(raw[at + 2 * r]) | (np.uint32(raw[at + 2 * r + 1]) << np.uint32(8))))
-            e = i % (BLOCK // 2)
-            byte = raw[at + 16 + 32 * (e // 4) + 4 * r + e % 4]
-            dst[c - c0] = (F((byte & 15) if i < BLOCK // 2 else (byte >> 4)) - F(8)) * d
+            if dtype == Q8_0G:
+                v = F(np.int8(raw[at + 16 + 32 * (i // 4) + 4 * r + i % 4]))
+            else:
+                e = i % (BLOCK // 2)
+                byte = raw[at + 16 + 32 * (e // 4) + 4 * r + e % 4]
+                v = F((byte & 15) if i < BLOCK // 2 else (byte >> 4)) - F(8)
+            dst[c - c0] = v * d
         return
     dtype = dtype - 2 if dtype >= Q8_0X else dtype
     base = row * rb

@@ -37,7 +37,7 @@ from yirage.persistent.program import PersistentProgram
 from yirage.persistent.specs import FloatCol, IntCol, kind_code
 from yirage_backend_cpu.atomics import atomic_add, atomic_load, atomic_store, cycle_counter
 from yirage_backend_cpu.backoff import SLEEP_US, SPIN_CYCLES, YIELD_CYCLES, cpu_relax, os_yield, sleep_us
-from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q4_BYTES, Q8_0, Q8_BYTES, dtype_code
+from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q4_BYTES, Q8_0, Q8_0G, Q8_BYTES, dtype_code
 from yirage_backend_cpu.pk_tasks import (
     ATTN,
     BF16,
@@ -60,7 +60,7 @@ from yirage_backend_cpu.pk_tasks import (
     execute,
     i64s,
 )
-from yirage_backend_cpu.quant_group import GROUP, repack_q4_0
+from yirage_backend_cpu.quant_group import GROUP, repack_q4_0, repack_q8_0
 from yirage_backend_cpu.sources import tie_caches_to_sources
 from yirage_backend_cpu.threads import check_fork, serialized
 
@@ -247,8 +247,9 @@ class CPUPersistentRuntime:
                                         f"{t.dims[0] * t.dims[1] // 32 * QUANTIZED[dtype]} uint8 bytes, got "
                                         f"{value.numel()} {value.dtype}")
             code = dtype_code(dtype, value) if dtype in QUANTIZED else DTYPES[dtype]
-            if code == Q4_0 and t.dims[0] % GROUP == 0:  # one pass reads 8 rows (quant_group)
-                value, code = self._derive(t.name, value.reshape(t.dims[0], -1), repack_q4_0), Q4_0G
+            if code in (Q4_0, Q8_0) and t.dims[0] % GROUP == 0:  # one pass reads 8 rows (quant_group)
+                repack, code = (repack_q4_0, Q4_0G) if code == Q4_0 else (repack_q8_0, Q8_0G)
+                value = self._derive(t.name, value.reshape(t.dims[0], -1), repack)
             if value is not program.values.get(t.name):  # made here: the same checks as the user's tensors
                 check_tensor(value, f"the CPU runtime's buffer for {t.name!r}", "cpu", written=not t.attached)
             self.keep.append(value)

@@ -203,13 +203,15 @@ def _rows_dot(builder: ir.IRBuilder, emit: Emit, rows: list[ir.Value], blocks: i
 
 
 def _quantize_x16(builder: ir.IRBuilder, x_ptr: ir.Value, blocks: ir.Value, xq_ptr: ir.Value,
-                  dx_ptr: ir.Value) -> ir.Value:
+                  dx_ptr: ir.Value, store: Callable[[ir.IRBuilder, ir.Value, ir.Value], None] | None = None
+                  ) -> ir.Value:
     """x (``blocks`` blocks of 32 float32) as int16 times one float32 scale per block; 0 if x holds inf or NaN.
 
     Per block: the largest |x| as the largest bit pattern of |x| (the same order for non-negative floats,
     and inf/NaN patterns are the largest), dx = largest / 32767, q = round(x * 32767 / largest) to
     nearest even by adding 1.5 * 2^23 (exact: |x * inv| <= 32767 < 2^22). 32 lanes at a time: as plain
-    numba loops, LLVM unrolled the 32-value block and vectorized across blocks with gathers.
+    numba loops, LLVM unrolled the 32-value block and vectorized across blocks with gathers. ``store(builder,
+    q, j)`` writes block j's <32 x i16> elsewhere instead of to ``xq_ptr``.
     """
     v32f, v32i = ir.VectorType(F32, 2 * LANES), ir.VectorType(I32, 2 * LANES)
     umax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, [v32i]),
@@ -237,8 +239,11 @@ def _quantize_x16(builder: ir.IRBuilder, x_ptr: ir.Value, blocks: ir.Value, xq_p
                           ir.Constant(v32f, [MAGIC] * 2 * LANES))
     q = builder.trunc(builder.sub(builder.bitcast(scaled, v32i), ir.Constant(v32i, [MAGIC_BITS] * 2 * LANES)),
                       ir.VectorType(I16, 2 * LANES))
-    target = builder.gep(xq_ptr, [builder.mul(j, ir.Constant(I64, 2 * LANES))])
-    builder.store(q, builder.bitcast(target, ir.VectorType(I16, 2 * LANES).as_pointer()), align=2)
+    if store is None:
+        target = builder.gep(xq_ptr, [builder.mul(j, ir.Constant(I64, 2 * LANES))])
+        builder.store(q, builder.bitcast(target, ir.VectorType(I16, 2 * LANES).as_pointer()), align=2)
+    else:  # another layout of the same int16 values (quant_group's split bytes)
+        store(builder, q, j)
     nxt = builder.add(j, ir.Constant(I64, 1))
     j.add_incoming(ir.Constant(I64, 0), entry)
     j.add_incoming(nxt, body)

@@ -1,24 +1,31 @@
-"""Q4_0 matrices in 8-row groups: one int32 lane per row, so one x load serves eight rows.
+"""Q4_0 and Q8_0 matrices in 8-row groups: one int32 lane per row, so one x load serves eight rows.
 
-quant_dot's one-row dot is bound by compute, not memory: every 32-value block
-pays for unpacking, x's load, a scale conversion and a horizontal step for a
-single row (1.6 ns per block and thread here). The CPU runtime therefore
-repacks each Q4_0 matrix once, at load, into groups of 8 rows (llama.cpp's
-CPU backend does the same, "q4_0_8x8"); block j of a group is 144 bytes:
+quant_dot's one-row dots are bound by compute, not memory: every 32-value
+block pays for unpacking, x's load, a scale conversion and a horizontal step
+for a single row (1.6 ns per Q4_0 block and thread here, 1.75 for Q8_0). The
+CPU runtime therefore repacks each such matrix once, at load, into groups of
+8 rows (llama.cpp's CPU backend does the same, "q4_0_8x8"); block j of a
+group is the 8 rows' half scales (16 bytes), then chunks of 32 bytes: chunk
+t holds quant bytes 4t .. 4t+3 of each row, row after row (Q4_0: 4 chunks,
+144 bytes; Q8_0: 8 chunks, 272 bytes).
 
-    the 8 rows' half scales (16 bytes), then 4 chunks of 32 bytes; chunk t
-    holds bytes 4t .. 4t+3 of each row's 16 quant bytes, row after row.
+So a Q4_0 chunk's low nibbles are elements 4t .. 4t+3 of all 8 rows and its
+high nibbles elements 16+4t .. 16+4t+3 (Q8_0: its bytes, elements 4t ..), and
+a byte dot product of a chunk with those four x values broadcast leaves each
+row's partial sum in its own lane: no shuffles, no horizontal sums, one
+scale conversion per 8 rows. Still one sequential stream per task (two
+interleaved row streams measured half the bandwidth).
 
-So a chunk's low nibbles are elements 4t .. 4t+3 of all 8 rows, its high
-nibbles elements 16+4t .. 16+4t+3, and a vector multiply-add of a chunk with
-those four x values broadcast leaves each row's partial sum in its own lane:
-no shuffles, no horizontal sums, one scale conversion per 8 rows. Still one
-sequential stream per task (two interleaved row streams measured half the
-bandwidth). x is int16 (quant_dot.quantize_x16, error at most 2^-16 of a
-block's largest |x|): exact integer products summed pairwise (vpmaddwd,
-vpdpwssd where the host has VNNI), then one fma per block with the 8 rows'
-scales times x's. Measured 0.8 ns per block and thread against 1.6 for the
-one-row dot. Exact integers: the sums do not depend on the instruction.
+x is int16 (quant_dot's rounding: error at most 2^-16 of a block's largest
+|x|), stored split in bytes: x = 256 hi + lo with lo unsigned and hi signed
+(``quantize_x16_split``). Then each chunk is two vpdpbusd (unsigned by signed
+bytes, AVX-512 VNNI): lo times the signed weight, and the weight made
+unsigned (Q4_0: the nibble; Q8_0: q + 128) times hi, whose offset folds out
+per block as 8 or 128 sum(hi). The integer sums are exact, so the result is
+bit for bit the one of int16 products, at 0.55-0.65 against 0.85 (Q4_0) and
+1.75 (Q8_0) ns per block and thread for a 576-column matrix in the L3; hosts
+without VNNI get the same integers from portable LLVM vectors. One fma per
+block then applies the 8 rows' scales times x's.
 """
 
 from __future__ import annotations
@@ -30,26 +37,37 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from yirage_backend_cpu import quant_dot
-from yirage_backend_cpu.quant_dot import F32, I8, I16, I32, I64, _ints, _pointer, _scale, _splat
+from yirage_backend_cpu.quant_dot import F32, I8, I16, I32, I64, _host_has, _ints, _pointer, _scale, _splat
 
 GROUP = 8
-Q4_GROUP_BYTES = 8 * 18  # one block of 8 rows
+Q4_GROUP_BYTES, Q8_GROUP_BYTES = 8 * 18, 8 * 34  # one block of 8 rows
 V8I32, V8F, V32I8 = ir.VectorType(I32, 8), ir.VectorType(F32, 8), ir.VectorType(I8, 32)
-V16I32, V32I16, V32I32 = ir.VectorType(I32, 16), ir.VectorType(I16, 32), ir.VectorType(I32, 32)
+V32I16, V32I32 = ir.VectorType(I16, 32), ir.VectorType(I32, 32)
+VNNI = _host_has("avx512vnni", "avx512vl")
 
 
-def repack_q4_0(blocks: Any) -> Any:
-    """(N, K/32 * 18) uint8 Q4_0 rows, N a multiple of 8, as (N/8, K/32, 144) groups: a new tensor."""
+def repack(blocks: Any, quant_bytes: int) -> Any:
+    """(N, K/32 * (2 + quant_bytes)) uint8 rows of Q4_0 (16 quant bytes) or Q8_0 (32), N a multiple of 8, as
+    (N/8, K/32, 8 * (2 + quant_bytes)) groups: a new tensor, returned as (N, row bytes)."""
     import torch
 
     n, row = blocks.shape
-    nb = row // 18
-    b = blocks.reshape(n // GROUP, GROUP, nb, 18)
-    groups = torch.empty((n // GROUP, nb, Q4_GROUP_BYTES), dtype=torch.uint8)
+    bb = 2 + quant_bytes
+    nb, chunks = row // bb, quant_bytes // 4
+    b = blocks.reshape(n // GROUP, GROUP, nb, bb)
+    groups = torch.empty((n // GROUP, nb, GROUP * bb), dtype=torch.uint8)
     groups[:, :, :16] = b[:, :, :, :2].permute(0, 2, 1, 3).reshape(n // GROUP, nb, 16)
-    quants = b[:, :, :, 2:].reshape(n // GROUP, GROUP, nb, 4, 4)  # group, row, block, chunk t, byte
-    groups[:, :, 16:] = quants.permute(0, 2, 3, 1, 4).reshape(n // GROUP, nb, 128)
+    quants = b[:, :, :, 2:].reshape(n // GROUP, GROUP, nb, chunks, 4)  # group, row, block, chunk t, byte
+    groups[:, :, 16:] = quants.permute(0, 2, 3, 1, 4).reshape(n // GROUP, nb, GROUP * quant_bytes)
     return groups.reshape(n, row)
+
+
+def repack_q4_0(blocks: Any) -> Any:
+    return repack(blocks, 16)
+
+
+def repack_q8_0(blocks: Any) -> Any:
+    return repack(blocks, 32)
 
 
 def _scales8(builder: ir.IRBuilder, block: ir.Value) -> ir.Value:
@@ -66,17 +84,56 @@ def _scales8(builder: ir.IRBuilder, block: ir.Value) -> ir.Value:
     return out
 
 
-def _madd(builder: ir.IRBuilder, w16: ir.Value, x16: ir.Value) -> ir.Value:
-    """Pairwise sums of 32 int16 products into 16 int32 lanes: vpmaddwd (vpdpwssd with the add after it)."""
-    prod = builder.mul(builder.sext(w16, V32I32), builder.sext(x16, V32I32))  # |w| <= 8, |x| <= 32767: exact
-    even = builder.shuffle_vector(prod, prod, ir.Constant(V16I32, list(range(0, 32, 2))))
-    odd = builder.shuffle_vector(prod, prod, ir.Constant(V16I32, list(range(1, 32, 2))))
-    return builder.add(even, odd)
+def _dpbusd(builder: ir.IRBuilder, acc: ir.Value, u: ir.Value, s: ir.Value) -> ir.Value:
+    """acc (8 int32) + the sums of 4 products of unsigned ``u`` by signed ``s`` bytes per lane: vpdpbusd."""
+    if VNNI:  # read at compile time (a test compiles both)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8I32, [V8I32, V8I32, V8I32]),
+                                            "llvm.x86.avx512.vpdpbusd.256")
+        return builder.call(fn, [acc, builder.bitcast(u, V8I32), builder.bitcast(s, V8I32)])
+    prod = builder.mul(builder.zext(u, V32I32), builder.sext(s, V32I32))
+    parts = [builder.shuffle_vector(prod, prod, ir.Constant(V8I32, list(range(i, 32, 4)))) for i in range(4)]
+    return builder.add(acc, builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3])))
 
 
-def _group_dot_x16(builder: ir.IRBuilder, xq: ir.Value, dx: ir.Value, group: ir.Value, blocks: ir.Value,
-                   out: ir.Value) -> None:
-    """out[0..8) = the 8 rows of ``group`` dotted with x (int16 ``xq`` times ``dx`` per block)."""
+def _store_split(xlo: ir.Value, xhi: ir.Value, sxhi: ir.Value) -> Any:
+    """quant_dot._quantize_x16's store hook: block j's int16 values as low bytes, high bytes and sum(high)."""
+    def store(builder: ir.IRBuilder, q: ir.Value, j: ir.Value) -> None:
+        total = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, [V32I32]),
+                                               "llvm.vector.reduce.add.v32i32")
+        at = builder.mul(j, ir.Constant(I64, 32))
+        hi = builder.trunc(builder.ashr(q, ir.Constant(V32I16, [8] * 32)), V32I8)
+        builder.store(builder.trunc(q, V32I8), builder.bitcast(builder.gep(xlo, [at]), V32I8.as_pointer()), align=1)
+        builder.store(hi, builder.bitcast(builder.gep(xhi, [at]), V32I8.as_pointer()), align=1)
+        builder.store(builder.call(total, [builder.sext(hi, V32I32)]), builder.gep(sxhi, [j]), align=4)
+    return store
+
+
+@intrinsic
+def quantize_x16_split(typingctx, x_addr, blocks, xlo_addr, xhi_addr, sxhi_addr, dx_addr):  # type: ignore[no-untyped-def]
+    """x (``blocks`` blocks of 32 float32) rounded as quant_dot.quantize_x16 does, stored as bytes: ``blocks`` *
+    32 low bytes (unsigned) at xlo, as many high bytes (signed) at xhi, one int32 sum of the high bytes and one
+    float32 scale per block at sxhi and dx. 1 if x was finite, else 0 (nothing usable written)."""
+    if not _ints(x_addr, blocks, xlo_addr, xhi_addr, sxhi_addr, dx_addr):
+        return None
+
+    def codegen(context, builder, signature, values):  # type: ignore[no-untyped-def]
+        k = signature.args
+        ptr = [_pointer(builder, context, values[i], k[i], to) for i, to in ((0, F32), (2, I8), (3, I8), (4, I32),
+                                                                             (5, F32))]
+        n = context.cast(builder, values[1], k[1], types.int64)
+        return quant_dot._quantize_x16(builder, ptr[0], n, ptr[1], ptr[4], store=_store_split(*ptr[1:4]))
+
+    return types.int64(x_addr, blocks, xlo_addr, xhi_addr, sxhi_addr, dx_addr), codegen
+
+
+def _group_dot_split(builder: ir.IRBuilder, x: list[ir.Value], group: ir.Value, blocks: ir.Value,
+                     out: ir.Value, q8: bool) -> None:
+    """out[0..8) = the 8 rows of ``group`` dotted with x as quantize_x16_split wrote it (xlo, xhi, sxhi, dx).
+
+    Q4_0 (``q8`` false): chunk t's nibbles n are elements 4t.. and 16+4t.. of the rows: lo by (n - 8), and n
+    by hi, less 8 sum(hi). Q8_0: chunk t is elements 4t.. as int8 q: lo by q, and q + 128 (the byte with its
+    top bit flipped) by hi, less 128 sum(hi)."""
+    xlo, xhi, sxhi, dx = x
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8F, [V8F, V8F, V8F]), "llvm.fmuladd.v8f32")
     entry = builder.block
     loop = builder.append_basic_block("q4g.loop")
@@ -87,22 +144,33 @@ def _group_dot_x16(builder: ir.IRBuilder, xq: ir.Value, dx: ir.Value, group: ir.
     builder.position_at_end(loop)
     j = builder.phi(I64)
     acc = builder.phi(V8F)
-    block = builder.gep(group, [builder.mul(j, ir.Constant(I64, Q4_GROUP_BYTES))])
-    x4 = builder.bitcast(builder.gep(xq, [builder.mul(j, ir.Constant(I64, 32))]), I64.as_pointer())  # 4 int16 each
-    sums = [ir.Constant(V16I32, [0] * 16), ir.Constant(V16I32, [0] * 16)]  # low and high nibbles: two chains
+    block = builder.gep(group, [builder.mul(j, ir.Constant(I64, Q8_GROUP_BYTES if q8 else Q4_GROUP_BYTES))])
+    at = builder.mul(j, ir.Constant(I64, 32))
+    lo4 = builder.bitcast(builder.gep(xlo, [at]), I32.as_pointer())  # 4 bytes of x each
+    hi4 = builder.bitcast(builder.gep(xhi, [at]), I32.as_pointer())
+    none = ir.Constant(V8I32, [0] * 8)
+    lows, highs = [none, none], [none, none]  # four independent chains
     fifteen, eight = ir.Constant(V32I8, [15] * 32), ir.Constant(V32I8, [8] * 32)
-    for t in range(4):
+    for t in range(8 if q8 else 4):
         chunk = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(I64, 16 + 32 * t)]), V32I8.as_pointer()),
                              align=1)
-        low = builder.sub(builder.and_(chunk, fifteen), eight)
-        high = builder.sub(builder.and_(builder.lshr(chunk, ir.Constant(V32I8, [4] * 32)), fifteen), eight)
-        for h, quants in enumerate((low, high)):
-            xs = builder.load(builder.gep(x4, [ir.Constant(I64, 4 * h + t)]), align=2)  # x[16h + 4t .. + 4)
-            x16 = builder.bitcast(_splat(builder, xs, 8), V32I16)
-            sums[h] = builder.add(sums[h], _madd(builder, builder.sext(quants, V32I16), x16))
-    total = builder.add(sums[0], sums[1])  # lanes 2r, 2r + 1: row r
-    rows = builder.add(builder.shuffle_vector(total, total, ir.Constant(V8I32, list(range(0, 16, 2)))),
-                       builder.shuffle_vector(total, total, ir.Constant(V8I32, list(range(1, 16, 2)))))
+        if q8:  # (signed, unsigned) views of elements 4t .. 4t + 3 of the 8 rows
+            parts = [(t, chunk, builder.xor(chunk, ir.Constant(V32I8, [-128] * 32)))]
+        else:
+            nibbles = (builder.and_(chunk, fifteen),
+                       builder.and_(builder.lshr(chunk, ir.Constant(V32I8, [4] * 32)), fifteen))
+            parts = [(4 * h + t, builder.sub(nib, eight), nib) for h, nib in enumerate(nibbles)]
+        for at4, signed, unsigned in parts:  # x[4 at4 .. + 4) broadcast to the 8 rows' lanes
+            lo = builder.bitcast(_splat(builder, builder.load(builder.gep(lo4, [ir.Constant(I64, at4)]), align=1), 8),
+                                 V32I8)
+            hi = builder.bitcast(_splat(builder, builder.load(builder.gep(hi4, [ir.Constant(I64, at4)]), align=1), 8),
+                                 V32I8)
+            chain = at4 % 2
+            lows[chain] = _dpbusd(builder, lows[chain], lo, signed)
+            highs[chain] = _dpbusd(builder, highs[chain], unsigned, hi)
+    offset = builder.shl(builder.load(builder.gep(sxhi, [j]), align=4), ir.Constant(I32, 7 if q8 else 3))
+    high = builder.sub(builder.add(highs[0], highs[1]), _splat(builder, offset, 8))
+    rows = builder.add(builder.add(lows[0], lows[1]), builder.shl(high, ir.Constant(V8I32, [8] * 8)))
     scale = builder.fmul(_scales8(builder, block), _splat(builder, builder.load(builder.gep(dx, [j]), align=4), 8))
     new = builder.call(fma, [builder.sitofp(rows, V8F), scale, acc])
     nxt = builder.add(j, ir.Constant(I64, 1))
@@ -120,19 +188,24 @@ def _group_dot_x16(builder: ir.IRBuilder, xq: ir.Value, dx: ir.Value, group: ir.
     builder.store(result, builder.bitcast(out, V8F.as_pointer()), align=4)
 
 
-@intrinsic
-def dot_q4_group_x16(typingctx, xq_addr, dx_addr, group_addr, blocks, out_addr):  # type: ignore[no-untyped-def]
-    """Writes 8 float32 at ``out_addr``: the group's rows dotted with x as quant_dot.quantize_x16 wrote it."""
-    if not _ints(xq_addr, dx_addr, group_addr, blocks, out_addr):
-        return None
+def _group_intrinsic(q8: bool):  # type: ignore[no-untyped-def]
+    def dot(typingctx, xlo_addr, xhi_addr, sxhi_addr, dx_addr, group_addr, blocks, out_addr):  # type: ignore[no-untyped-def]
+        if not _ints(xlo_addr, xhi_addr, sxhi_addr, dx_addr, group_addr, blocks, out_addr):
+            return None
 
-    def codegen(context, builder, signature, values):  # type: ignore[no-untyped-def]
-        k = signature.args
-        _group_dot_x16(builder, _pointer(builder, context, values[0], k[0], I16),
-                       _pointer(builder, context, values[1], k[1], F32),
-                       _pointer(builder, context, values[2], k[2], I8),
-                       context.cast(builder, values[3], k[3], types.int64),
-                       _pointer(builder, context, values[4], k[4], F32))
-        return context.get_dummy_value()
+        def codegen(context, builder, signature, values):  # type: ignore[no-untyped-def]
+            k = signature.args
+            x = [_pointer(builder, context, values[i], k[i], to) for i, to in ((0, I8), (1, I8), (2, I32), (3, F32))]
+            _group_dot_split(builder, x, _pointer(builder, context, values[4], k[4], I8),
+                             context.cast(builder, values[5], k[5], types.int64),
+                             _pointer(builder, context, values[6], k[6], F32), q8)
+            return context.get_dummy_value()
 
-    return types.none(xq_addr, dx_addr, group_addr, blocks, out_addr), codegen
+        return types.none(xlo_addr, xhi_addr, sxhi_addr, dx_addr, group_addr, blocks, out_addr), codegen
+    return intrinsic(dot)
+
+
+#: dot_q4_group(xlo, xhi, sxhi, dx, group, blocks, out): writes 8 float32 at ``out``, the rows of a Q4_0 group
+#: (repack_q4_0) dotted with x as quantize_x16_split wrote it; dot_q8_group the same for Q8_0 (repack_q8_0)
+dot_q4_group = _group_intrinsic(q8=False)
+dot_q8_group = _group_intrinsic(q8=True)
