@@ -95,6 +95,10 @@ def test_prefill_logits_match_transformers(kind, zoo) -> None:
         theirs = model.oracle(ids).logits
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4,
                                msg=lambda m: f"{model.label}, prefill prompt seed 3: {m}")
+    engine.reset_cache(2, 16)
+    last = engine.model.forward(ids, torch.arange(9).expand(2, 9), last_only=True)  # what generate's prefill reads
+    torch.testing.assert_close(last, theirs[:, -1:], rtol=1e-4, atol=1e-4,
+                               msg=lambda m: f"{model.label}, last-position prefill, prompt seed 3: {m}")
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)

@@ -296,7 +296,8 @@ class InferEngine:
         self._tokens.zero_()
         start = time.perf_counter()
         positions = torch.arange(prompt).expand(batch, prompt)
-        logits = self.forward(input_ids, positions)[:, -1]
+        with self._lock:
+            logits = self.model.forward(input_ids, positions, last_only=True)[:, -1]
         first = self._pick(logits, config)
         ttft = time.perf_counter() - start
         self._tokens[:, :prompt] = input_ids

@@ -381,8 +381,10 @@ class LlamaModel:
         self.cos, self.sin = rope_tables(c, max_len)
 
     # -- prefill (and any multi-token forward) in torch ----------------------------------
-    def forward(self, input_ids: Any, positions: Any) -> Any:
-        """Logits (B, T, vocab) for ``input_ids`` at ``positions`` (B, T), writing the KV caches."""
+    def forward(self, input_ids: Any, positions: Any, last_only: bool = False) -> Any:
+        """Logits (B, T, vocab) for ``input_ids`` at ``positions`` (B, T), writing the KV caches; with
+        ``last_only``, (B, 1, vocab) for the last position only (a prompt's prefill: the lm_head over every
+        position is most of a short prompt's time, and generation reads only the last)."""
         import torch
         import torch.nn.functional as F
 
@@ -433,6 +435,8 @@ class LlamaModel:
             h = F.rms_norm(x, (c.hidden,), blk["ln2"].to(f32), c.eps)
             gu = h @ dense(blk["gate_up"]).t()
             x = x + (F.silu(gu[..., :c.intermediate]) * gu[..., c.intermediate:]) @ dense(blk["down"]).t()
+        if last_only:
+            x = x[:, -1:]
         x = F.rms_norm(x, (c.hidden,), self.norm.to(f32), c.eps)
         return x @ dense(self.lm_head).t()
 
