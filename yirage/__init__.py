@@ -47,6 +47,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PLUGIN_API_VERSION",
+    "FusedInferEngine",
     "Availability",
     "Backend",
     "BackendError",
@@ -94,7 +95,8 @@ _configure_logging()
 
 
 #: exports imported on first use (their modules import the model code; ``import yirage`` stays quick)
-_LAZY = {"auto_configure_backend": "yirage.autoconfig_sweep", "BackendOptimizer": "yirage.autoconfig_sweep"}
+_LAZY = {"auto_configure_backend": "yirage.autoconfig_sweep", "BackendOptimizer": "yirage.autoconfig_sweep",
+         "FusedInferEngine": "yirage.replay"}
 
 
 def __getattr__(name: str) -> Any:
