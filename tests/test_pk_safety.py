@@ -290,13 +290,20 @@ def test_unsafe_meta_tensors_never_reach_compiled_code_and_in_place_swaps_are_ca
 def test_ctrl_c_stops_a_long_generate_quickly_and_the_engine_stays_usable(tiny, backend) -> None:
     path, _ = tiny
     child = textwrap.dedent(f"""
-        import time, torch
+        import threading, time, torch
         from yirage.engine import InferEngine, GenerationConfig
         engine = InferEngine({str(path)!r}, backend={backend!r})
         ids = torch.tensor([[1, 2, 3]])
         short = GenerationConfig(max_new_tokens=12, eos_token_id=())
         engine.generate(ids, short)  # compile first
         print("go", flush=True)
+
+        def announce():  # the interrupt must land in the decode loop, however slow its set-up is on a busy machine
+            while int(engine._step[0]) < 3 + 20:
+                time.sleep(0.01)
+            print("decoding", flush=True)
+
+        threading.Thread(target=announce, daemon=True).start()
         try:
             engine.generate(ids, GenerationConfig(max_new_tokens=60000, eos_token_id=()))  # > 30 s uninterrupted
             print("finished", time.time(), flush=True)
@@ -315,7 +322,9 @@ def test_ctrl_c_stops_a_long_generate_quickly_and_the_engine_stays_usable(tiny, 
     try:
         first = proc.stdout.readline().strip()
         assert first == "go", first + proc.stderr.read()
-        time.sleep(3.0)  # past the set-up of the long generation (a new cache size), well inside its ~30 s decode
+        running = proc.stdout.readline().strip()  # 20 steps into the long generation, well inside its ~30 s decode
+        assert running == "decoding", running + proc.stderr.read()
+        time.sleep(0.2)
         sent = time.time()
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=TIMEOUT)
