@@ -20,9 +20,6 @@ not committed: ``tokens``/``step`` hold exactly the steps completed.
 
 from __future__ import annotations
 
-import os
-import queue
-import threading
 import time
 from typing import Any
 
@@ -37,6 +34,7 @@ from yirage.persistent.program import PersistentProgram
 from yirage.persistent.specs import FloatCol, IntCol, kind_code
 from yirage_backend_cpu.atomics import atomic_add, atomic_load, atomic_store, cycle_counter
 from yirage_backend_cpu.backoff import SLEEP_US, SPIN_CYCLES, YIELD_CYCLES, cpu_relax, os_yield, sleep_us
+from yirage_backend_cpu.pk_calls import call_decode
 from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q4_BYTES, Q8_0, Q8_0G, Q8_BYTES, dtype_code
 from yirage_backend_cpu.pk_tasks import (
     ATTN,
@@ -330,9 +328,8 @@ class CPUPersistentRuntime:
     def run(self, max_new_tokens: int | None = None) -> int:
         """Decode (see PersistentKernel.__call__); the caller serializes calls (the kernel's lock).
 
-        From the main thread, ``decode`` runs in a helper thread (it holds no
-        GIL) while this thread waits in short slices, so Ctrl-C stops the run
-        between tasks and raises KeyboardInterrupt here within milliseconds.
+        Ctrl-C stops the run between tasks and raises KeyboardInterrupt here
+        within milliseconds (pk_calls).
         """
         program = self.program
         self.snapshot.verify()
@@ -352,10 +349,7 @@ class CPUPersistentRuntime:
         with shutdown.decoding(self), serialized():  # serialized: only on a threading layer that needs it
             wall = time.perf_counter_ns()
             cycles = _cycles()
-            if threading.current_thread() is threading.main_thread():
-                steps = _decode_interruptibly(threads, args, self.flags)
-            else:  # signals reach only the main thread: Ctrl-C there reaches this run through the exit hook
-                steps = _decode_with_threads(threads, args)
+            steps = call_decode(decode, threads, args, self.flags)  # Ctrl-C stops it (pk_calls)
         ns_per_cycle = (time.perf_counter_ns() - wall) / max(1, _cycles() - cycles)
         self.last_backoff = {"yields": int(self.flags[YIELDS]), "sleeps": int(self.flags[SLEEPS])}
         if self.flags[ERROR] == ERR_TOKEN:
@@ -373,82 +367,6 @@ class CPUPersistentRuntime:
                 out[3 * task + 1] = int((profile[3 * task + 1] - origin) * ns_per_cycle)
                 out[3 * task + 2] = int(profile[3 * task + 2])
         return int(steps)
-
-
-def _decode_with_threads(threads: int, args: tuple[Any, ...]) -> int:
-    """``decode`` on ``threads`` numba threads (numba's thread count is per calling thread)."""
-    previous = numba.get_num_threads()
-    numba.set_num_threads(threads)
-    try:
-        return int(decode(*args))
-    finally:
-        numba.set_num_threads(previous)
-
-
-class _Job:
-    def __init__(self, threads: int, args: tuple[Any, ...]) -> None:
-        self.threads, self.args = threads, args
-        self.done = threading.Event()
-        self.steps = 0
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.steps = _decode_with_threads(self.threads, self.args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, which re-raises it
-            self.error = exc
-        finally:
-            self.done.set()
-
-    def wait(self) -> None:
-        """Wait until the job ends, even through further Ctrl-C presses: its memory must outlive it."""
-        while not self.done.is_set():
-            try:
-                self.done.wait(0.05)
-            except KeyboardInterrupt:
-                continue  # already stopping; the first KeyboardInterrupt is re-raised by the caller
-
-
-class _Helper:
-    """One long-lived thread that runs ``decode`` for the main thread (a new one per call costs ~0.25 ms).
-
-    Re-created in a forked child (threads do not survive fork). Only the
-    main thread submits, and it waits for each job, so one thread suffices.
-    """
-
-    def __init__(self) -> None:
-        self.pid = -1
-        self.jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-
-    def submit(self, job: _Job) -> None:
-        if self.pid != os.getpid():
-            self.pid, self.jobs = os.getpid(), queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(self.jobs,), name="yirage-pk-decode", daemon=True).start()
-        self.jobs.put(job)
-
-    @staticmethod
-    def _serve(jobs: queue.SimpleQueue[_Job]) -> None:
-        while True:
-            jobs.get().run()
-
-
-_HELPER = _Helper()
-
-
-def _decode_interruptibly(threads: int, args: tuple[Any, ...], flags: np.ndarray) -> int:
-    """``decode`` in the helper thread; on KeyboardInterrupt set ``flags[STOP]``, wait for it, re-raise."""
-    job = _Job(threads, args)
-    _HELPER.submit(job)
-    try:
-        while not job.done.wait(0.05):
-            pass
-    except KeyboardInterrupt:
-        flags[STOP] = 1  # every decode thread checks it between tasks, so the wait below is short
-        job.wait()
-        raise
-    if job.error is not None:
-        raise job.error
-    return job.steps
 
 
 @njit(cache=True)
