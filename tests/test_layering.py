@@ -32,7 +32,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("yirage.runtime", "yirage.persistent"),  # executables of kernel graphs; the PersistentKernel
     ("yirage.reference",),  # the oracle: graph runner, reference backend, reference PersistentKernel runtime
     ("yirage.models",),
+    ("yirage.distributed",),  # tensor parallelism over torch.distributed: world, sharding, collectives
     ("yirage.engine", "yirage.bench", "yirage.autoconfig_sweep"),  # autoconfig_sweep: the measured sweep
+    ("yirage.replay",),  # FusedInferEngine: records and replays plans over models (engine) and kernel graphs
+    ("yirage.accuracy",),  # accuracy dump and compare: runs models (engine) and kernel graphs
     ("yirage",),  # the public API (yirage/__init__.py only: ``import yirage as yr``)
     ("yirage.testing", "yirage.cli"),  # the conformance kit and the CLI, written against the API
     ("yirage.__main__",),

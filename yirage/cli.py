@@ -8,7 +8,8 @@ kit on one backend in a child pytest and summarise it), ``benchmark``
 yirage.bench.benchmark_backends, with a progress bar on stderr) and
 ``optimize`` (derive a backend's PersistentKernel configuration from its
 device and refine it by a timed sweep: yirage.autoconfig_sweep; ``--apply``
-saves it for later processes, see yirage.autoconfig).
+saves it for later processes, see yirage.autoconfig). ``dump`` and ``compare``
+(fused vs unfused accuracy) live in yirage.accuracy.cli.
 
 ``test`` on a backend that cannot run here fails with the probe's reason,
 unless the backend offers a compile-only check: a ``compile_check()`` method
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from yirage import autoconfig, config, system
+from yirage.accuracy.cli import add_parser as add_accuracy_parsers
 from yirage.autoconfig_sweep import DEFAULT_DURATION, DEFAULT_MODEL, TINY, auto_configure_backend
 from yirage.backend import selection
 from yirage.bench import WORKLOADS, benchmark_backends
@@ -518,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the random-weight toy Llama the sweep decodes (tiny: fast, for tests; default small)")
     opt.add_argument("--no-sweep", action="store_true", help="only derive from the device; time nothing")
     opt.set_defaults(func=cmd_optimize)
+    add_accuracy_parsers(sub)  # compare, dump: yirage.accuracy
     return parser
 
 
