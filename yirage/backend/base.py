@@ -301,6 +301,11 @@ class Backend:
             f"backend {self.name!r} does not propose a PersistentKernel configuration"
         )
 
+    def collective_backend(self) -> str | None:
+        """The torch.distributed backend ("gloo", "nccl", "hccl", ...) that moves this device's tensors between
+        ranks in a multi-rank (tensor-parallel) run; None: this backend cannot run multi-rank (the default)."""
+        return None
+
     def capabilities(self) -> Capabilities:
         """What this backend can run, derived from what its class defines (override to declare it yourself).
 

@@ -62,6 +62,10 @@ class CPUBackend(yirage.Backend):
         self.require_available()
         return CPUPersistentRuntime(program, config)
 
+    def collective_backend(self) -> str | None:
+        """Ranks of a tensor-parallel run exchange host memory: gloo (yirage.distributed)."""
+        return "gloo"
+
     def default_config(self, device: yirage.DeviceInfo) -> dict[str, int]:
         """One thread per physical core; workers release tasks themselves on small machines; two tasks per
         projection and thread.

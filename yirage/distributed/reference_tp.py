@@ -1,0 +1,141 @@
+"""A tensor-parallel decode in plain torch over one rank's shards: the oracle for the fused multi-rank runtime.
+
+It computes what ``LlamaModel.forward`` computes, op by op, on this rank's
+heads, KV cache (sharded by KV head) and intermediate rows, with the two
+all-reduces per layer a row-parallel split needs (after ``o`` and after
+``down``: each rank's product is a partial sum over its input columns) and a
+distributed argmax over the vocabulary shards. Greedy tokens equal to the
+single-rank LlamaModel and to transformers prove the sharding; the fused
+PersistentKernel runtime is then checked against this, step by step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from yirage.distributed.collectives import all_gather_rows, all_reduce_, argmax_shards
+from yirage.distributed.sharding import RankShard
+from yirage.distributed.world import DistributedError, current_group
+from yirage.models.llama import ModelError, dense, rope_tables
+from yirage.quant import QuantizedTensor
+
+
+class ReferenceTP:
+    """One rank's part of a Llama decode: ``forward`` gives this rank's logit columns, ``generate`` greedy tokens.
+
+    With more than one rank, every rank must call the same methods with the same inputs (after ``init_world``).
+    """
+
+    def __init__(self, shard: RankShard) -> None:
+        self.shard, self.plan = shard, shard.plan
+        self.config = shard.plan.local_config()  # this rank's heads, KV heads and intermediate rows
+        if self.plan.world_size > 1:
+            world = current_group().world
+            if (world.rank, world.world_size) != (shard.rank, self.plan.world_size):
+                raise DistributedError(f"this process is {world}, but the shard is rank {shard.rank} of "
+                                       f"{self.plan.world_size}: load the shard for this process's rank")
+        self.k_cache: list[Any] = []
+        self.v_cache: list[Any] = []
+        self.cos = self.sin = None
+
+    def reset_cache(self, batch_size: int, max_len: int) -> None:
+        """Zeroed float32 KV caches for this rank's KV heads, and RoPE tables for ``max_len`` positions."""
+        import torch
+
+        c = self.config
+        shape = (batch_size, c.kv_heads, max_len, c.head_dim)
+        self.k_cache = [torch.zeros(shape) for _ in range(c.layers)]
+        self.v_cache = [torch.zeros(shape) for _ in range(c.layers)]
+        self.cos, self.sin = rope_tables(c, max_len)
+
+    def _reduce(self, partial: Any, label: str) -> Any:
+        return all_reduce_(partial.contiguous(), label) if self.plan.world_size > 1 else partial
+
+    def forward(self, input_ids: Any, positions: Any, last_only: bool = False) -> Any:
+        """This rank's logits (B, T, its vocabulary rows) for ``input_ids`` at ``positions``, writing the caches."""
+        import torch
+        import torch.nn.functional as F
+
+        c, d, full = self.config, self.config.head_dim, self.plan.config
+        if not self.k_cache:
+            raise ModelError("call reset_cache(batch_size, max_len) before forward")
+        b, t = input_ids.shape
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= full.vocab:
+            raise ModelError(f"input_ids must lie in [0, vocab_size={full.vocab})")
+        if positions.shape != (b, t) or int(positions.min()) < 0 or int(positions.max()) >= self.k_cache[0].shape[2]:
+            raise ModelError(f"positions must be a (B, T) = {(b, t)} tensor within the cache length; call "
+                             "reset_cache with a longer max_len")
+        f32, embed = torch.float32, self.shard.embed
+        x = embed.dequantize(input_ids) if isinstance(embed, QuantizedTensor) else embed[input_ids].to(f32)
+        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # (B, T, 1, D)
+        rot = lambda z: torch.cat((-z[..., d // 2:], z[..., :d // 2]), dim=-1)  # noqa: E731
+        for i, blk in enumerate(self.shard.blocks):
+            h = F.rms_norm(x, (c.hidden,), blk["ln1"].to(f32), c.eps)
+            qkv = h @ dense(blk["qkv"]).t()
+            if "qkv_bias" in blk:
+                qkv = qkv + blk["qkv_bias"].to(f32)
+            qkv = qkv.view(b, t, c.kv_heads, c.group + 2, d)
+            q, k, v = qkv[..., :c.group, :], qkv[..., c.group, :], qkv[..., c.group + 1, :]
+            q = q * cos[..., None, :] + rot(q) * sin[..., None, :]
+            k = k * cos + rot(k) * sin
+            out = torch.empty(b, t, c.kv_heads, c.group, d)
+            for row in range(b):
+                self.k_cache[i][row, :, positions[row]] = k[row].transpose(0, 1)
+                self.v_cache[i][row, :, positions[row]] = v[row].transpose(0, 1)
+                end = int(positions[row].max()) + 1
+                keys, vals = self.k_cache[i][row, :, :end], self.v_cache[i][row, :, :end]  # (Hkv, S, D)
+                scores = torch.einsum("tgjd,gsd->tgjs", q[row], keys) / math.sqrt(d)
+                mask = torch.arange(end)[None, :] > positions[row][:, None]  # causal over cache positions
+                scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
+                out[row] = torch.einsum("tgjs,gsd->tgjd", torch.softmax(scores, -1), vals)
+            attn = out.reshape(b, t, c.heads * d) @ dense(blk["o"]).t()  # a partial sum over this rank's heads
+            x = x + self._reduce(attn, f"layer {i} o_proj all-reduce")
+            h = F.rms_norm(x, (c.hidden,), blk["ln2"].to(f32), c.eps)
+            gu = h @ dense(blk["gate_up"]).t()
+            mlp = (F.silu(gu[..., :c.intermediate]) * gu[..., c.intermediate:]) @ dense(blk["down"]).t()
+            x = x + self._reduce(mlp, f"layer {i} down_proj all-reduce")
+        if last_only:
+            x = x[:, -1:]
+        x = F.rms_norm(x, (c.hidden,), self.shard.norm.to(f32), c.eps)
+        return x @ dense(self.shard.lm_head).t()
+
+    def argmax(self, local_logits: Any, label: str = "lm_head argmax") -> tuple[Any, Any]:
+        """(value, global token id) of the largest logit over every rank's shard (ties: the lowest id)."""
+        import torch
+
+        start, stop = self.shard.vocab_range
+        if self.plan.world_size == 1:
+            idx = torch.argmax(local_logits, dim=-1)
+            return torch.gather(local_logits, -1, idx[..., None])[..., 0].double(), idx
+        width = self.plan.vocab_per_rank
+        padded = torch.nn.functional.pad(local_logits, (0, width - (stop - start)), value=float("-inf"))
+        return argmax_shards(padded.contiguous(), start, label, valid=stop - start)
+
+    def gather_logits(self, local_logits: Any, label: str = "lm_head logits all-gather") -> Any:
+        """Every rank's logit columns joined: (..., vocab), for sampling and for comparison with a reference."""
+        import torch
+
+        if self.plan.world_size == 1:
+            return local_logits
+        start, stop = self.shard.vocab_range
+        width = self.plan.vocab_per_rank  # the padded shard width: all_gather needs one shape on every rank
+        padded = torch.nn.functional.pad(local_logits, (0, width - (stop - start)), value=float("-inf"))
+        return all_gather_rows(padded.contiguous(), label, dim=-1)[..., :self.plan.config.vocab]
+
+    def generate(self, input_ids: Any, new_tokens: int) -> tuple[Any, Any]:
+        """Greedy tokens (B, new_tokens) after the prompt, and the full logits (B, new_tokens, vocab) they came from."""
+        import torch
+
+        b, t = input_ids.shape
+        self.reset_cache(b, t + new_tokens)
+        positions = torch.arange(t).expand(b, t)
+        local = self.forward(input_ids, positions, last_only=True)
+        tokens, logits = [], []
+        for step in range(new_tokens):
+            logits.append(self.gather_logits(local[:, -1]))
+            _, nxt = self.argmax(local[:, -1])
+            tokens.append(nxt)
+            if step + 1 < new_tokens:
+                local = self.forward(nxt[:, None], torch.full((b, 1), t + step), last_only=True)
+        return torch.stack(tokens, 1), torch.stack(logits, 1)
