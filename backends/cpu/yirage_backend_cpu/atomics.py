@@ -55,6 +55,22 @@ def atomic_store(typingctx, array, index, value):  # type: ignore[no-untyped-def
 
 
 @intrinsic
+def atomic_cas(typingctx, array, index, expected, value):  # type: ignore[no-untyped-def]
+    """``array[index] = value`` if it holds ``expected``, atomically (sequentially consistent); returns the value
+    it held (== expected: this call wrote it)."""
+    if not (isinstance(array, types.Array) and array.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1])
+        old = context.cast(builder, args[2], signature.args[2], types.int64)
+        new = context.cast(builder, args[3], signature.args[3], types.int64)
+        return builder.extract_value(builder.cmpxchg(ptr, old, new, "seq_cst", "seq_cst"), 0)
+
+    return types.int64(array, index, expected, value), codegen
+
+
+@intrinsic
 def cycle_counter(typingctx):  # type: ignore[no-untyped-def]
     """The CPU's cycle counter (``llvm.readcyclecounter``); the profiler scales it to ns."""
 

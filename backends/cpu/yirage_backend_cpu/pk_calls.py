@@ -5,13 +5,11 @@ the main thread itself. CPython's C signal handler only notes the signal and
 writes its number to the wakeup fd (``signal.set_wakeup_fd``); a watcher
 thread reading that fd sets ``flags[STOP]``, every decode thread sees it
 between tasks, ``decode`` returns, and Python raises KeyboardInterrupt as soon
-as it is back in bytecode. Running ``decode`` from another thread instead
-(the fallback below: another SIGINT handler, or no wakeup fd) costs each step
-~250 us on 2 cores: an OpenMP region entered from a second host thread gets a
-second thread team, libgomp then counts more threads than CPUs and lets its
-threads sleep between the per-step regions instead of spinning (W4 Q4_0
-decode: 0.52 against 0.75-1.05 ms per step, measured the two ways in one
-process).
+as it is back in bytecode. Otherwise (another SIGINT handler, no wakeup fd)
+``decode`` runs in a helper thread while the main thread waits in short,
+interruptible slices. Either way the decode threads are one OpenMP team for
+the whole call (pk_team); entering it from the main thread saves the hop to
+the helper thread and keeps OpenMP to the team torch already has.
 """
 
 from __future__ import annotations

@@ -1,14 +1,16 @@
 """The CPU PersistentKernel runtime: the whole generation in one nogil numba call.
 
-Per step, ``num_workers + num_local_schedulers`` loop iterations run in a
-``prange``. Workers claim slots of a task queue (atomic fetch-add), wait for
-the slot to be filled with a ready task, run it, and count its events down;
+``num_workers + num_local_schedulers`` loop iterations of one ``prange`` run
+every step, meeting at a barrier between steps (pk_team). Workers claim
+slots of a task queue (atomic fetch-add), wait for the slot to be filled
+with a ready task, run it, and count its events down;
 the task that completes an event pushes it onto the event queue. Schedulers
 claim event slots and push the tasks the event releases; a thread with
 nothing ready spins, then yields its core, then sleeps (backoff.py). A scheduler runs
 tasks only while no worker is running (and a worker handles events only
 while no scheduler is), which keeps any thread count deadlock-free. Between
-steps, one serial section appends the picked token and advances ``step``.
+steps, one serial section (run by the last thread at the barrier) appends the
+picked token and advances ``step``.
 
 ``flags`` (int64[4]) lets the run stop early: ``flags[STOP]`` is checked by
 every thread between tasks and by the loop between steps (Ctrl-C sets it
@@ -33,7 +35,6 @@ from yirage.persistent.guard import Snapshot, check_tensor, token_out_of_range
 from yirage.persistent.program import PersistentProgram
 from yirage.persistent.specs import FloatCol, IntCol, kind_code
 from yirage_backend_cpu.atomics import atomic_add, atomic_load, atomic_store, cycle_counter
-from yirage_backend_cpu.backoff import SLEEP_US, SPIN_CYCLES, YIELD_CYCLES, cpu_relax, os_yield, sleep_us
 from yirage_backend_cpu.pk_calls import call_decode
 from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q4_BYTES, Q8_0, Q8_0G, Q8_BYTES, dtype_code
 from yirage_backend_cpu.pk_tasks import (
@@ -58,13 +59,28 @@ from yirage_backend_cpu.pk_tasks import (
     execute,
     i64s,
 )
+from yirage_backend_cpu.pk_team import (
+    ABORT,
+    ARRIVED,
+    DONE,
+    GEN,
+    GO,
+    SLEEPS,
+    STATE,
+    STEPS,
+    YIELDS,
+    begin_step,
+    end_step,
+    gather,
+    pause,
+    wait_for_next,
+)
 from yirage_backend_cpu.quant_group import GROUP, repack_q4_0, repack_q8_0
 from yirage_backend_cpu.sources import tie_caches_to_sources
 from yirage_backend_cpu.threads import check_fork, serialized
 
 DTYPES = {"float32": F32, "bfloat16": BF16, "float16": F16, "int64": I64, "q8_0": Q8_0, "q4_0": Q4_0}
 QUANTIZED = {"q8_0": Q8_BYTES, "q4_0": Q4_BYTES}  # bytes per block of 32 values
-YIELDS, SLEEPS = 4, 5  # flags slots after pk_tasks' four: how often idle threads yielded / slept in a run
 
 
 @njit(**OPTS)
@@ -129,18 +145,39 @@ def run_role(w, is_sched, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, e
         if busy:
             idle_since = 0
             continue
-        now = cycle_counter()  # nothing ready: spin, then yield the core, then sleep (backoff.py)
-        if idle_since == 0:
-            idle_since = now
-        if now - idle_since < SPIN_CYCLES:
-            cpu_relax()
-        elif now - idle_since < YIELD_CYCLES:
-            os_yield()
-            atomic_add(flags, YIELDS, 1)
-        else:
-            sleep_us(SLEEP_US)
-            atomic_add(flags, SLEEPS, 1)
+        idle_since, counter = pause(idle_since)  # nothing ready: spin, then yield the core, then sleep (backoff.py)
+        if counter:
+            atomic_add(flags, counter, 1)
     atomic_add(ctl, 4 + is_sched, -1)
+
+
+@njit(**OPTS)
+def member(w, total, n_workers, sync, ctl, task_q, ev_q, pending, counts, waits, trigger, ev_ptr, ev_list, gate_ptr,
+           gate_list, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scratch, step, tokens, tok_cols, none,
+           flags, profile, picked, active, eos, max_seq, max_steps, steps_run):  # type: ignore[no-untyped-def]
+    """Thread ``w`` of the team for every step of the run (pk_team): its role, then the barrier; the last thread
+    to arrive runs the serial section and opens the next step."""
+    if gather(sync, total, flags) != GO:
+        return  # decode() runs the steps one region at a time instead
+    gen = 0
+    while True:
+        run_role(w, 1 if w >= n_workers else 0, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, ev_list,
+                 gate_ptr, gate_list, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scratch, step, tokens,
+                 tok_cols, none, flags, profile, profile.shape[0] > 0 and atomic_load(sync, STEPS) == 0)
+        if atomic_add(sync, ARRIVED, 1) == total - 1:
+            atomic_store(sync, ARRIVED, 0)
+            more = end_step(sync, flags, batch, tokens, tok_cols, step, picked, active, steps_run) == 1 \
+                and atomic_load(sync, STEPS) < max_steps and atomic_load(flags, STOP) == 0 \
+                and begin_step(waits, task_q, ev_q, pending, counts, ctl, eos, max_seq, batch, tokens, tok_cols,
+                               step, active) == 1
+            if not more:
+                atomic_store(sync, DONE, 1)
+            atomic_store(sync, GEN, gen + 1)  # releases the waiting threads into the next step (or out)
+        else:
+            wait_for_next(sync, gen, flags)
+        gen += 1
+        if atomic_load(sync, DONE) != 0:
+            return
 
 
 @njit(parallel=True, fastmath=OPTS["fastmath"], error_model="numpy", nogil=True, cache=True)
@@ -154,48 +191,36 @@ def decode(addr, tdt, tnum, lp, lf, task_layer, task_index, ev_ptr, ev_list, wai
     pending = np.empty(n_tasks, np.int64)
     counts = np.empty(max(n_events, 1), np.int64)
     ctl = np.zeros(8, np.int64)
+    sync = np.zeros(8, np.int64)
     tokens = i64s(addr[tokens_id], batch * tok_cols)
     step = i64s(addr[step_id], batch)
     picked = i64s(addr[pick_id], batch)
     none = np.empty(0, np.float32)
     active = np.zeros(batch, np.bool_)
-    steps = 0
-    while steps < max_steps and atomic_load(flags, STOP) == 0:
-        alive = 0
-        for b in range(batch):
-            ok = step[b] + 1 < max_seq
-            tok = tokens[b * tok_cols + step[b]]
-            for e in eos:
-                if tok == e:
-                    ok = False
-            active[b] = ok
-            alive += ok
-        if alive == 0:
-            break
-        task_q[:] = -1
-        ev_q[:] = -1
-        counts[:] = 0
-        ctl[:] = 0
-        for t in range(n_tasks):
-            pending[t] = waits[t]
-            if waits[t] == 0:
-                task_q[ctl[1]] = t
-                ctl[1] += 1
-        profiling = profile.shape[0] > 0 and steps == 0
-        total = n_workers + n_sched
-        for w in prange(total):
-            run_role(w, 1 if w >= n_workers else 0, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, ev_list,
-                     gate_ptr, gate_list, addr, tdt, tnum, lp, lf, task_layer, task_index, batch,
-                     scratch[w * scr:(w + 1) * scr], step, tokens, tok_cols, none, flags, profile, profiling)
-        if atomic_load(flags, STOP) != 0:
-            break
-        for b in range(batch):
-            if active[b]:
-                tokens[b * tok_cols + step[b] + 1] = picked[b]
-                step[b] += 1
-        steps += 1
-        steps_run[0] += 1
-    return steps
+    if max_steps <= 0 or atomic_load(flags, STOP) != 0 or begin_step(
+            waits, task_q, ev_q, pending, counts, ctl, eos, max_seq, batch, tokens, tok_cols, step, active) == 0:
+        return 0
+    total = n_workers + n_sched
+    for w in prange(total):  # one team for every step (pk_team)
+        member(w, total, n_workers, sync, ctl, task_q, ev_q, pending, counts, waits, trigger, ev_ptr, ev_list,
+               gate_ptr, gate_list, addr, tdt, tnum, lp, lf, task_layer, task_index, batch,
+               scratch[w * scr:(w + 1) * scr], step, tokens, tok_cols, none, flags, profile, picked, active, eos,
+               max_seq, max_steps, steps_run)
+    # sync is read through atomic loads after the region: numba's parfor pass moved plain reads of it (an array
+    # it does not see written in the loop body, only passed to a call) to before the region
+    if atomic_load(sync, STATE) == ABORT:  # the threads did not all run at once: one region per step
+        while True:
+            profiling = profile.shape[0] > 0 and atomic_load(sync, STEPS) == 0
+            for w in prange(total):
+                run_role(w, 1 if w >= n_workers else 0, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, ev_list,
+                         gate_ptr, gate_list, addr, tdt, tnum, lp, lf, task_layer, task_index, batch,
+                         scratch[w * scr:(w + 1) * scr], step, tokens, tok_cols, none, flags, profile, profiling)
+            if end_step(sync, flags, batch, tokens, tok_cols, step, picked, active, steps_run) == 0 \
+                    or atomic_load(sync, STEPS) >= max_steps or atomic_load(flags, STOP) != 0 or begin_step(
+                        waits, task_q, ev_q, pending, counts, ctl, eos, max_seq, batch, tokens, tok_cols, step,
+                        active) == 0:
+                break
+    return atomic_load(sync, STEPS)
 
 
 def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
