@@ -11,13 +11,12 @@ PersistentKernel runtime is then checked against this, step by step.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from yirage.distributed.collectives import all_gather_rows, all_reduce_, argmax_shards
 from yirage.distributed.sharding import RankShard
 from yirage.distributed.world import DistributedError, current_group
-from yirage.models.llama import ModelError, dense, rope_tables
+from yirage.models.llama import ModelError, attend, dense, gated_mlp, rope_tables
 from yirage.quant import QuantizedTensor
 
 
@@ -57,7 +56,7 @@ class ReferenceTP:
         import torch
         import torch.nn.functional as F
 
-        c, d, full = self.config, self.config.head_dim, self.plan.config
+        c, full = self.config, self.plan.config
         if not self.k_cache:
             raise ModelError("call reset_cache(batch_size, max_len) before forward")
         b, t = input_ids.shape
@@ -69,32 +68,10 @@ class ReferenceTP:
         f32, embed = torch.float32, self.shard.embed
         x = embed.dequantize(input_ids) if isinstance(embed, QuantizedTensor) else embed[input_ids].to(f32)
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # (B, T, 1, D)
-        rot = lambda z: torch.cat((-z[..., d // 2:], z[..., :d // 2]), dim=-1)  # noqa: E731
         for i, blk in enumerate(self.shard.blocks):
-            h = F.rms_norm(x, (c.hidden,), blk["ln1"].to(f32), c.eps)
-            qkv = h @ dense(blk["qkv"]).t()
-            if "qkv_bias" in blk:
-                qkv = qkv + blk["qkv_bias"].to(f32)
-            qkv = qkv.view(b, t, c.kv_heads, c.group + 2, d)
-            q, k, v = qkv[..., :c.group, :], qkv[..., c.group, :], qkv[..., c.group + 1, :]
-            q = q * cos[..., None, :] + rot(q) * sin[..., None, :]
-            k = k * cos + rot(k) * sin
-            out = torch.empty(b, t, c.kv_heads, c.group, d)
-            for row in range(b):
-                self.k_cache[i][row, :, positions[row]] = k[row].transpose(0, 1)
-                self.v_cache[i][row, :, positions[row]] = v[row].transpose(0, 1)
-                end = int(positions[row].max()) + 1
-                keys, vals = self.k_cache[i][row, :, :end], self.v_cache[i][row, :, :end]  # (Hkv, S, D)
-                scores = torch.einsum("tgjd,gsd->tgjs", q[row], keys) / math.sqrt(d)
-                mask = torch.arange(end)[None, :] > positions[row][:, None]  # causal over cache positions
-                scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-                out[row] = torch.einsum("tgjs,gsd->tgjd", torch.softmax(scores, -1), vals)
-            attn = out.reshape(b, t, c.heads * d) @ dense(blk["o"]).t()  # a partial sum over this rank's heads
-            x = x + self._reduce(attn, f"layer {i} o_proj all-reduce")
-            h = F.rms_norm(x, (c.hidden,), blk["ln2"].to(f32), c.eps)
-            gu = h @ dense(blk["gate_up"]).t()
-            mlp = (F.silu(gu[..., :c.intermediate]) * gu[..., c.intermediate:]) @ dense(blk["down"]).t()
-            x = x + self._reduce(mlp, f"layer {i} down_proj all-reduce")
+            attn = attend(x, blk, cos, sin, positions, self.k_cache[i], self.v_cache[i], c) @ dense(blk["o"]).t()
+            x = x + self._reduce(attn, f"layer {i} o_proj all-reduce")  # partial sums over this rank's heads
+            x = x + self._reduce(gated_mlp(x, blk, c), f"layer {i} down_proj all-reduce")
         if last_only:
             x = x[:, -1:]
         x = F.rms_norm(x, (c.hidden,), self.shard.norm.to(f32), c.eps)

@@ -216,6 +216,47 @@ def rope_tables(config: LlamaConfig, positions: int) -> tuple[Any, Any]:
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 
 
+def attend(x: Any, blk: dict[str, Any], cos: Any, sin: Any, positions: Any, k_cache: Any, v_cache: Any,
+           c: LlamaConfig) -> Any:
+    """One layer's attention up to o_proj, (B, T, heads * head_dim), writing that layer's KV caches: RMSNorm,
+    the fused QKV projection (grouped per KV head), RoPE, causal attention over the cached positions. ``c``
+    may be one rank's share of the model (yirage.distributed): its heads and KV heads."""
+    import torch
+    import torch.nn.functional as F
+
+    b, t, d, f32 = x.shape[0], x.shape[1], c.head_dim, torch.float32
+    h = F.rms_norm(x, (c.hidden,), blk["ln1"].to(f32), c.eps)
+    qkv = h @ dense(blk["qkv"]).t()
+    if "qkv_bias" in blk:
+        qkv = qkv + blk["qkv_bias"].to(f32)
+    qkv = qkv.view(b, t, c.kv_heads, c.group + 2, d)
+    q, k, v = qkv[..., :c.group, :], qkv[..., c.group, :], qkv[..., c.group + 1, :]
+    rot = lambda z: torch.cat((-z[..., d // 2:], z[..., :d // 2]), dim=-1)  # noqa: E731
+    q = q * cos[..., None, :] + rot(q) * sin[..., None, :]
+    k = k * cos + rot(k) * sin
+    out = torch.empty(b, t, c.kv_heads, c.group, d)
+    for row in range(b):
+        k_cache[row, :, positions[row]] = k[row].transpose(0, 1)
+        v_cache[row, :, positions[row]] = v[row].transpose(0, 1)
+        end = int(positions[row].max()) + 1
+        keys, vals = k_cache[row, :, :end], v_cache[row, :, :end]  # (Hkv, S, D)
+        scores = torch.einsum("tgjd,gsd->tgjs", q[row], keys) / math.sqrt(d)
+        mask = torch.arange(end)[None, :] > positions[row][:, None]  # causal over cache positions
+        scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
+        out[row] = torch.einsum("tgjs,gsd->tgjd", torch.softmax(scores, -1), vals)
+    return out.reshape(b, t, c.heads * d)
+
+
+def gated_mlp(x: Any, blk: dict[str, Any], c: LlamaConfig) -> Any:
+    """One layer's MLP without the residual: RMSNorm, the fused gate/up projection, silu(gate) * up, down."""
+    import torch
+    import torch.nn.functional as F
+
+    h = F.rms_norm(x, (c.hidden,), blk["ln2"].to(torch.float32), c.eps)
+    gu = h @ dense(blk["gate_up"]).t()
+    return (F.silu(gu[..., :c.intermediate]) * gu[..., c.intermediate:]) @ dense(blk["down"]).t()
+
+
 def resolve_dtype(dtype: Any) -> Any:
     """None (keep the checkpoint's), a torch float dtype, or its name ("float16", "torch.bfloat16"); or a
     quantized block format ("q8_0", "q4_0": returned as that string)."""
@@ -388,7 +429,7 @@ class LlamaModel:
         import torch
         import torch.nn.functional as F
 
-        c, d = self.config, self.config.head_dim
+        c = self.config
         if not self.k_cache:
             raise ModelError("call reset_cache(batch_size, max_len) before forward")
         if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2
@@ -411,30 +452,8 @@ class LlamaModel:
             self.embed[input_ids].to(f32)
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # (B, T, 1, D)
         for i, blk in enumerate(self.blocks):
-            h = F.rms_norm(x, (c.hidden,), blk["ln1"].to(f32), c.eps)
-            qkv = h @ dense(blk["qkv"]).t()
-            if "qkv_bias" in blk:
-                qkv = qkv + blk["qkv_bias"].to(f32)
-            qkv = qkv.view(b, t, c.kv_heads, c.group + 2, d)
-            q, k, v = qkv[..., :c.group, :], qkv[..., c.group, :], qkv[..., c.group + 1, :]
-            rot = lambda z: torch.cat((-z[..., d // 2:], z[..., :d // 2]), dim=-1)  # noqa: E731
-            q = q * cos[..., None, :] + rot(q) * sin[..., None, :]
-            k = k * cos + rot(k) * sin
-            for row in range(b):
-                self.k_cache[i][row, :, positions[row]] = k[row].transpose(0, 1)
-                self.v_cache[i][row, :, positions[row]] = v[row].transpose(0, 1)
-            out = torch.empty(b, t, c.kv_heads, c.group, d)
-            for row in range(b):
-                end = int(positions[row].max()) + 1
-                keys, vals = self.k_cache[i][row, :, :end], self.v_cache[i][row, :, :end]  # (Hkv, S, D)
-                scores = torch.einsum("tgjd,gsd->tgjs", q[row], keys) / math.sqrt(d)
-                mask = torch.arange(end)[None, :] > positions[row][:, None]  # causal over cache positions
-                scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-                out[row] = torch.einsum("tgjs,gsd->tgjd", torch.softmax(scores, -1), vals)
-            x = x + out.reshape(b, t, c.heads * d) @ dense(blk["o"]).t()
-            h = F.rms_norm(x, (c.hidden,), blk["ln2"].to(f32), c.eps)
-            gu = h @ dense(blk["gate_up"]).t()
-            x = x + (F.silu(gu[..., :c.intermediate]) * gu[..., c.intermediate:]) @ dense(blk["down"]).t()
+            x = x + attend(x, blk, cos, sin, positions, self.k_cache[i], self.v_cache[i], c) @ dense(blk["o"]).t()
+            x = x + gated_mlp(x, blk, c)
         if last_only:
             x = x[:, -1:]
         x = F.rms_norm(x, (c.hidden,), self.norm.to(f32), c.eps)
