@@ -286,16 +286,26 @@ def test_unsafe_meta_tensors_never_reach_compiled_code_and_in_place_swaps_are_ca
 # -- item 6: Ctrl-C -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", COMPILED)
-def test_ctrl_c_stops_a_long_generate_quickly_and_the_engine_stays_usable(tiny, backend) -> None:
+CTRL_C_CASES = [(b, False) for b in COMPILED] + [("cpu", True)]
+
+
+@pytest.mark.parametrize(("backend", "own_handler"), CTRL_C_CASES,
+                         ids=[f"{b}{'-own-sigint-handler' if h else ''}" for b, h in CTRL_C_CASES])
+def test_ctrl_c_stops_a_long_generate_quickly_and_the_engine_stays_usable(tiny, backend, own_handler) -> None:
+    """With Python's default SIGINT handler the cpu decode runs in the main thread and Ctrl-C reaches it through
+    the wakeup fd; with the application's own handler it runs in a helper thread while the main thread waits in
+    interruptible slices (backends/cpu/yirage_backend_cpu/pk_calls.py): both must stop within seconds."""
     path, _ = tiny
+    handler = "signal.signal(signal.SIGINT, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))" \
+        if own_handler else "pass"
     child = textwrap.dedent(f"""
-        import threading, time, torch
+        import signal, threading, time, torch
         from yirage.engine import InferEngine, GenerationConfig
         engine = InferEngine({str(path)!r}, backend={backend!r})
         ids = torch.tensor([[1, 2, 3]])
         short = GenerationConfig(max_new_tokens=12, eos_token_id=())
         engine.generate(ids, short)  # compile first
+        {handler}
         print("go", flush=True)
 
         def announce():  # the interrupt must land in the decode loop, however slow its set-up is on a busy machine

@@ -41,8 +41,7 @@ GATHER_CYCLES = 60_000_000  # ~20 ms: far past a thread's start, even on a loade
 def pause(since):  # type: ignore[no-untyped-def]
     """One round of an idle wait that began at cycle ``since`` (0: it begins now): (its start, 0 if this round
     spun, YIELDS if it yielded, SLEEPS if it slept). Scalars only: an array passed in a wait loop costs two
-    atomic reference-count updates a round on a cache line the working threads use too (measured: W4 Q4_0
-    steps 40% slower when the barrier's wait passed ``flags``)."""
+    atomic reference-count updates a round, on a cache line the working threads use too."""
     now = cycle_counter()
     if since == 0:
         return now, 0
