@@ -145,6 +145,88 @@ def test_a_failing_fused_compile_falls_back_counted_logged_and_correct(monkeypat
         strict(*args)
 
 
+class StandInDeviceGraphs:
+    """A backend's ``capture`` as a device graph behaves: replay re-runs the recorded call on the captured input
+    tensors (whatever they hold now) and writes the same output tensors; no call of the executable in between."""
+
+    def __init__(self, fail: Exception | None = None, bad_status: list | None = None) -> None:
+        self.captures, self.replays, self.checks, self.fail = 0, 0, 0, fail
+        self.bad_status = bad_status if bad_status is not None else []
+
+    def __call__(self, executable, inputs):
+        if self.fail is not None:
+            raise self.fail
+        self.captures += 1
+        recorded = list(inputs)
+        outputs = [o.clone() for o in executable(recorded)]  # capture: one uncaptured run, outputs kept
+
+        outer = self
+
+        class Graph:
+            def replay(self):
+                outer.replays += 1
+                for kept, new in zip(outputs, executable(recorded), strict=True):
+                    kept.copy_(new)
+                return outputs
+
+            def check_status(self):
+                outer.checks += 1
+                if outer.bad_status:
+                    raise outer.bad_status.pop()
+
+        return Graph()
+
+
+def test_device_graphs_are_captured_once_per_signature_and_replayed_on_hits(monkeypatch, caplog) -> None:
+    from yirage.backend.selection import registry
+
+    graphs = StandInDeviceGraphs()
+    monkeypatch.setattr(registry().get("cpu"), "capture", graphs)
+    engine = FusedInferEngine(Builder(), backend="cpu", warmup_iterations=0)
+    results = []
+    for rows, seed in ((2, 1), (2, 2), (3, 3), (2, 4)):
+        args = inputs(rows, seed)
+        results.append((engine(*args)[0], oracle(*args)))
+    for ours, ref in results:  # every call's data, replayed from the buffers; earlier results not overwritten
+        assert close(ours, ref)
+    assert (graphs.captures, graphs.replays, graphs.checks) == (2, 4, 4)
+    stats = engine.get_stats()
+    assert stats["device_graphs"] == stats["cached_shapes"] and len(stats["device_graphs"]) == 2
+    assert set(stats["fusion_modes"].values()) == {"fusion"} and stats["capture_fallbacks"] == 0
+    graphs.bad_status.append(IndexError("stand-in: an id out of range at flat position 1"))
+    with pytest.raises(IndexError, match="position 1"):  # a replay's recorded bad input raises from that call
+        engine(*inputs(2, 5))
+    assert close(engine(*inputs(2, 6))[0], oracle(*inputs(2, 6)))
+    off = FusedInferEngine(Builder(), backend="cpu", device_graphs=False)
+    assert close(off(*inputs(2, 7))[0], oracle(*inputs(2, 7)))
+    assert graphs.captures == 2 and off.get_stats()["device_graphs"] == []
+
+
+def test_a_failing_capture_runs_the_fused_plan_uncaptured_logged_and_counted(monkeypatch, caplog) -> None:
+    from yirage.backend.selection import registry
+    from yirage.errors import PluginError
+
+    cpu = registry().get("cpu")
+    monkeypatch.setattr(cpu, "capture", StandInDeviceGraphs(fail=RuntimeError("stand-in capture error")))
+    engine = FusedInferEngine(Builder(), backend="cpu")
+    args = inputs(2, 8)
+    with caplog.at_level(logging.WARNING, logger="yirage.replay"):
+        assert close(engine(*args)[0], oracle(*args)) and close(engine(*args)[0], oracle(*args))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "yirage.replay" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "stand-in capture error" in warnings[0] and "uncaptured" in warnings[0]
+    stats = engine.get_stats()
+    assert (stats["capture_fallbacks"], stats["fusion_fallbacks"], stats["fusion_successes"]) == (1, 0, 1)
+    assert list(stats["fusion_modes"].values()) == ["fusion"] and stats["device_graphs"] == []
+    assert "stand-in capture error" in next(iter(stats["fallback_reasons"].values()))
+    with pytest.raises(RuntimeError, match="stand-in capture error"):
+        FusedInferEngine(Builder(), backend="cpu", fallback=False)(*args)
+    monkeypatch.setattr(cpu, "capture", lambda executable, inputs: object())  # a plugin bug: no replay()
+    with pytest.raises(PluginError, match=r"capture\(\) returned object without replay\(\) and check_status"):
+        FusedInferEngine(Builder(), backend="cpu", fallback=False)(*args)
+    with pytest.raises(ReplayError, match="device_graphs applies to a kernel-graph target"):
+        FusedInferEngine("no/such/model", device_graphs=True)
+
+
 def test_clear_cache_drops_entries_and_resets_the_stats() -> None:
     builder = Builder()
     engine = FusedInferEngine(builder, backend="cpu")

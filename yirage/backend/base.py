@@ -301,6 +301,17 @@ class Backend:
             f"backend {self.name!r} does not propose a PersistentKernel configuration"
         )
 
+    def capture(self, executable: Any, inputs: Sequence[Any]) -> Any:
+        """Record one call of ``executable`` on ``inputs`` into a device graph (CUDA graphs), or None (the default).
+
+        Replaying a device graph skips the host's launch work, which dominates small decode steps. The
+        inputs are persistent tensors the caller keeps alive and refills before each replay. The result
+        has ``replay() -> list`` (the same output tensors every time, overwritten; the values follow in
+        stream order) and ``check_status()`` (raise the bad-input error a replay recorded on the device).
+        None means this backend has no device graphs: callers call the executable instead.
+        """
+        return None
+
     def collective_backend(self) -> str | None:
         """The torch.distributed backend ("gloo", "nccl", "hccl", ...) that moves this device's tensors between
         ranks in a multi-rank (tensor-parallel) run; None: this backend cannot run multi-rank (the default)."""

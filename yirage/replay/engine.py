@@ -51,10 +51,16 @@ class FusedInferEngine:
     * ``"fusion"``: a fused compiled plan, replayed from persistent input
       buffers that each call's tensors are copied into: a graph compiled on
       the engine's backend, or a model's PersistentKernel decode step for the
-      bucket's batch size.
+      bucket's batch size. On a backend with device graphs (CUDA graphs:
+      ``Backend.capture``) a kernel graph's plan is captured once on its
+      buffers and every later call replays the device graph
+      (``get_stats()["device_graphs"]`` lists those keys);
+      ``device_graphs=False`` calls the compiled plan instead. A failed
+      capture keeps the fused plan uncaptured, logged and counted in
+      ``capture_fallbacks``.
     * ``"graph_replay"``: a kernel graph whose fused compile failed, compiled
       on the reference backend (torch op by op, unfused) and replayed from
-      persistent buffers. CUDA graph capture is not used on any backend yet.
+      persistent buffers.
     * ``"eager"``: nothing recorded, torch op by op on every call: fusion
       off, a model whose fused build failed, or a model's multi-token
       (prefill) call, which has no fused plan.
@@ -75,10 +81,12 @@ class FusedInferEngine:
     def __init__(self, target: Any, *, backend: Any = None, enable_fusion: bool = True, warmup_iterations: int = 1,
                  batch_buckets: Any = None, max_seq_len: int | None = None, fallback: bool = True,
                  dtype: Any = None, num_workers: int | None = None, num_local_schedulers: int | None = None,
-                 tasks_per_layer: int | None = None) -> None:
+                 tasks_per_layer: int | None = None, device_graphs: bool | None = None) -> None:
         """Model-only options: batch_buckets, max_seq_len (default 512 positions per KV cache row), dtype (with a
-        model path), num_workers, num_local_schedulers, tasks_per_layer (as InferEngine's)."""
+        model path), num_workers, num_local_schedulers, tasks_per_layer (as InferEngine's). Kernel-graph only:
+        device_graphs (default True: capture where the backend can)."""
         self._enabled = check_flag(enable_fusion, "enable_fusion")
+        self._device_graphs = True if device_graphs is None else check_flag(device_graphs, "device_graphs")
         self._warmup = check_count(warmup_iterations, "warmup_iterations")
         self._fallback = check_flag(fallback, "fallback")
         model_options = {"batch_buckets": batch_buckets, "max_seq_len": max_seq_len, "dtype": dtype,
@@ -92,6 +100,9 @@ class FusedInferEngine:
                                   "model path); drop them for a kernel graph")
             self._target: Any = GraphTarget(target, _graph_backend(target, backend))
         else:  # every setting is checked before a model path is loaded
+            if device_graphs is not None:
+                raise ReplayError("device_graphs applies to a kernel-graph target; a model's decode step is one "
+                                  "PersistentKernel launch already: drop device_graphs=")
             chosen = _model_backend(target, backend)
             buckets = check_buckets(batch_buckets)
             length = check_count(max_seq_len if max_seq_len is not None else DEFAULT_MAX_SEQ_LEN, "max_seq_len", 1)
@@ -130,7 +141,8 @@ class FusedInferEngine:
         with self._lock:
             entries = list(self._entries.values())
             return self._stats.report(self._enabled, self.backend.name, {e.text: e.plan.mode for e in entries},
-                                      {e.text: e.reason for e in entries if e.reason})
+                                      {e.text: e.reason for e in entries if e.reason},
+                                      [e.text for e in entries if getattr(e.plan, "device_graph", None) is not None])
 
     # -- calls -----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -167,6 +179,7 @@ class FusedInferEngine:
         self._stats.fusion_attempts += 1
         try:
             plan = recording.fused()
+            captured = self._capture(plan, call, text)
             self._warm_up(plan, call)
         except Exception as exc:  # noqa: BLE001 - logged with the reason, counted, and replaced by a correct plan
             if not self._fallback:
@@ -176,7 +189,25 @@ class FusedInferEngine:
             return _Entry(plan, text, reason)
         self._stats.fusion_successes += 1
         self._stats.recordings += 1
-        return _Entry(plan, text, None)
+        return _Entry(plan, text, captured)
+
+    def _capture(self, plan: Any, call: Any, text: str) -> str | None:
+        """Capture the plan's device graph where the backend has them; the failure's reason, or None."""
+        if not self._device_graphs or not hasattr(plan, "capture"):
+            return None
+        try:
+            plan.capture(call)
+            return None
+        except Exception as exc:  # noqa: BLE001 - logged with the reason, counted; the fused plan runs uncaptured
+            if not self._fallback:
+                raise
+            reason = f"device graph capture failed: {type(exc).__name__}: {exc}"
+        plan.device_graph = None
+        self._stats.capture_fallbacks += 1
+        logger.warning("%s: %s; the fused plan on backend %r runs uncaptured (each call launches it from the host). "
+                       "Counted in get_stats()['capture_fallbacks']; fallback=False raises instead", text, reason,
+                       self.backend.name)
+        return reason
 
     def _fall_back(self, recording: Any, call: Any, text: str, exc: Exception) -> tuple[Any, str]:
         reason = f"{type(exc).__name__}: {exc}"

@@ -1,6 +1,7 @@
 """Replay plans for kernel graphs: a fixed KernelGraph, or a builder called once per input signature.
 
-fusion        the graph compiled on the engine's backend (fused kernels), replayed from persistent input buffers
+fusion        the graph compiled on the engine's backend (fused kernels), replayed from persistent input buffers,
+              through a device graph captured on them where the backend has device graphs (CUDA graphs)
 graph_replay  the fused compile failed: the same graph compiled on the reference backend (op by op, unfused),
               replayed from persistent input buffers
 eager         fusion off: the graph evaluated op by op in torch (run_reference) on the caller's tensors, no buffers
@@ -108,7 +109,9 @@ class BufferedGraphPlan:
 
     Each call copies the caller's tensors into the buffers (any strides are
     accepted; the copy lays them out) and returns copies of the outputs, so
-    nothing the caller holds is ever overwritten by a later call.
+    nothing the caller holds is ever overwritten by a later call. After
+    ``capture`` succeeds (a backend with device graphs: CUDA), a call replays
+    the device graph recorded on the buffers instead of calling the executable.
     """
 
     recorded = True
@@ -120,15 +123,35 @@ class BufferedGraphPlan:
         where = executable.backend.torch_device
         self.buffers = [torch.empty_strided(n.dims, n.strides, dtype=n.dtype.torch, device=where)
                         for n in executable.graph.inputs]
+        self.device_graph: Any = None
+
+    def capture(self, call: GraphCall) -> bool:
+        """Record the backend's device graph on the buffers, filled with this call's data (the capture runs the
+        plan once, uncaptured, to warm it up); False when the backend has no device graphs."""
+        import torch
+
+        from yirage.runtime.device_graph import capture
+
+        with torch.no_grad():
+            self._fill(call)
+            self.device_graph = capture(self.executable, self.buffers)
+        return self.device_graph is not None
 
     def run(self, call: GraphCall) -> list[Any]:
         import torch
 
         with torch.no_grad():
-            for buffer, t in zip(self.buffers, call.tensors, strict=True):
-                buffer.copy_(t)
-            outputs = self.executable(self.buffers)
+            self._fill(call)
+            if self.device_graph is None:
+                outputs = self.executable(self.buffers)
+            else:
+                outputs = self.device_graph.replay()
+                self.device_graph.check_status()  # a bad id raises from this call, as an uncaptured call's would
             return [o.to(self.device, copy=True) for o in outputs]
+
+    def _fill(self, call: GraphCall) -> None:
+        for buffer, t in zip(self.buffers, call.tensors, strict=True):
+            buffer.copy_(t)
 
 
 class EagerGraphPlan:

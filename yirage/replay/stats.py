@@ -19,7 +19,8 @@ class ReplayStats:
     graph_replay fallback); eager entries record nothing. ``fusion_attempts``:
     misses with fusion on for which a fused plan exists (every kernel graph,
     a model's decode steps); each ends as one success or one fallback (or raises, with fallback=False).
-    ``planning_seconds``: recording, compiling and warming up (misses);
+    ``capture_fallbacks``: fused plans whose device graph capture failed (they run uncaptured).
+    ``planning_seconds``: recording, compiling, capturing and warming up (misses);
     ``compute_seconds``: running the plans for the calls themselves.
     """
 
@@ -29,6 +30,7 @@ class ReplayStats:
     fusion_attempts: int = 0
     fusion_successes: int = 0
     fusion_fallbacks: int = 0
+    capture_fallbacks: int = 0
     planning_seconds: float = 0.0
     compute_seconds: float = 0.0
 
@@ -36,8 +38,10 @@ class ReplayStats:
         for f in fields(self):
             setattr(self, f.name, f.default)
 
-    def report(self, enabled: bool, backend: str, modes: dict[str, str], reasons: dict[str, str]) -> dict[str, Any]:
-        """The ``get_stats()`` dict: InfiniLM's keys, then yirage's additions (backend, reasons, times)."""
+    def report(self, enabled: bool, backend: str, modes: dict[str, str], reasons: dict[str, str],
+               device_graphs: list[str]) -> dict[str, Any]:
+        """The ``get_stats()`` dict: InfiniLM's keys, then yirage's additions (backend, reasons, device graphs,
+        times). ``device_graphs``: the keys whose calls replay a captured device graph."""
         return {
             "enabled": enabled,
             "cache_size": len(modes),
@@ -50,6 +54,8 @@ class ReplayStats:
             "cached_shapes": list(modes),
             "fusion_modes": dict(modes),
             "fallback_reasons": dict(reasons),
+            "device_graphs": list(device_graphs),
+            "capture_fallbacks": self.capture_fallbacks,
             "backend": backend,
             "planning_seconds": self.planning_seconds,
             "compute_seconds": self.compute_seconds,

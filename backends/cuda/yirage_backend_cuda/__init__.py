@@ -8,7 +8,8 @@ Kernel plans are rendered by the core's C-family renderer in the CUDA dialect,
 built to cubins with NVRTC (``nvrtc.py``; works without a GPU, so CI compiles
 for sm_80 and sm_90) and launched on torch CUDA tensors through the driver API
 (``launch.py`` over ``driver.py``; ``capturable(exe)`` is the CUDA-graph-capturable
-call path). Large float matmuls run as torch's cuBLAS GEMM between the renderer's
+call path, and ``CUDABackend.capture`` records a plan's CUDA graph for replay:
+``graphs.py``). Large float matmuls run as torch's cuBLAS GEMM between the renderer's
 prologue and epilogue kernels, which keep the fused RMSNorm, bias, residual and
 activation (``gemm.py``).
 Per kernel class, kernels may run as Triton instead (``YIRAGE_CUDA_KERNELS``,
@@ -21,7 +22,7 @@ conformance kit) are the compile-only entry points for CI and backend_manager.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,12 @@ class CUDABackend(yirage.Backend):
         from yirage_backend_cuda.launch import load
 
         return load(artifact, self._load_device().index)
+
+    def capture(self, executable: Any, inputs: Sequence[Any]) -> Any:
+        """A CUDA graph of one call of ``executable`` on the persistent ``inputs`` (``graphs.py``)."""
+        from yirage_backend_cuda.graphs import capture
+
+        return capture(executable, inputs)
 
 
 def capturable(executable: Any) -> Any:

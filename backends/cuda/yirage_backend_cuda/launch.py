@@ -414,7 +414,7 @@ class PlanLauncher:
 
     def check_status(self) -> None:
         """Raise the error of an earlier capturable call, if one had bad input; waits for the whole context."""
-        if self._sticky is None:
+        if not self._sticky:  # no checks: nothing to wait for
             return
         drv, stream = self._driver, self._stream()
         with self.module.current():
