@@ -160,37 +160,53 @@ def bench_decode(gguf_path: str | Path, tokens: int = 64, threads: int = 2, repe
     ``depth``: tokens already in the KV cache before the timed ones (``-d``; e.g. 16 to
     time decode after a 16-token prompt, as yirage's benchmark does).
     """
+    row = _llama_bench(gguf_path, 0, tokens, threads, repeats, depth, binary)
+    samples_ns = [float(s) for s in row["samples_ns"]]
+    per_token = [s / tokens / 1e6 for s in samples_ns]
+    ms = float(row["avg_ns"]) / tokens / 1e6
+    return {"ms_per_token": ms, "tok_per_s": 1e3 / ms, "min_ms": min(per_token), "max_ms": max(per_token),
+            "samples_ms": per_token, "threads": threads, "tokens": tokens, "depth": depth,
+            "build_commit": row.get("build_commit"), "model_type": row.get("model_type"),
+            "model_size": row.get("model_size"), "raw": row}
+
+
+def bench_prompt(gguf_path: str | Path, tokens: int, threads: int = 2, repeats: int = 1, *,
+                 binary: Path | None = None) -> dict[str, Any]:
+    """llama.cpp's prompt processing of ``tokens`` tokens into an empty cache (``-p tokens -n 0``): ``seconds``
+    (the mean over ``repeats``, the time to the first token's logits), ``tok_per_s`` and the raw row."""
+    row = _llama_bench(gguf_path, tokens, 0, threads, repeats, 0, binary)
+    seconds = float(row["avg_ns"]) / 1e9
+    return {"seconds": seconds, "tok_per_s": tokens / seconds, "threads": threads, "tokens": tokens, "raw": row}
+
+
+def _llama_bench(gguf_path: str | Path, prompt: int, gen: int, threads: int, repeats: int, depth: int,
+                 binary: Path | None) -> dict[str, Any]:
+    """The JSON row of one llama-bench test: a ``prompt``-token prompt or ``gen`` generated tokens, after
+    ``depth`` cached tokens (flash attention off, as yirage's attention)."""
     path = Path(gguf_path)
     if not path.is_file():
         raise LlamaCppError(f"GGUF file {str(path)!r} does not exist; export one with "
                             "yirage.models.gguf_export.export_gguf first")
-    for name, value, least in (("tokens", tokens, 1), ("threads", threads, 1), ("repeats", repeats, 1),
+    for name, value, least in (("tokens", prompt or gen, 1), ("threads", threads, 1), ("repeats", repeats, 1),
                                ("depth", depth, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise LlamaCppError(f"bench_decode {name}={value!r} must be an int >= {least}")
+            raise LlamaCppError(f"llama-bench {name}={value!r} must be an int >= {least}")
     binary = binary or llama_bench_path()
-    cmd = [str(binary), "-m", str(path), "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", str(repeats),
+    cmd = [str(binary), "-m", str(path), "-p", str(prompt), "-n", str(gen), "-t", str(threads), "-r", str(repeats),
            "-d", str(depth), "-fa", "0", "-o", "json"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
         raise LlamaCppError(f"`{' '.join(cmd)}` failed (exit {done.returncode}): {done.stderr.strip()[-1500:]}; "
                             "llama.cpp could not load or run the file: check it with yirage.models.gguf.read_gguf")
     try:
-        rows = json.loads(done.stdout)
-        row = next(r for r in rows if r.get("n_gen") == tokens and not r.get("n_prompt")
-                   and r.get("n_depth", 0) == depth)
-        samples_ns = [float(s) for s in row["samples_ns"]]
-        avg_ns = float(row["avg_ns"])
+        row = next(r for r in json.loads(done.stdout) if r.get("n_gen", 0) == gen and
+                   r.get("n_prompt", 0) == prompt and r.get("n_depth", 0) == depth)
+        float(row["avg_ns"])
+        return row
     except (json.JSONDecodeError, StopIteration, KeyError, TypeError, ValueError) as exc:
         raise LlamaCppError(f"cannot read llama-bench's JSON ({type(exc).__name__}: {exc}); output began "
                             f"{done.stdout[:300]!r}: the llama-bench output format changed, update "
                             "benchmark/llama_cpp_peer.py") from exc
-    per_token = [s / tokens / 1e6 for s in samples_ns]
-    ms = avg_ns / tokens / 1e6
-    return {"ms_per_token": ms, "tok_per_s": 1e3 / ms, "min_ms": min(per_token), "max_ms": max(per_token),
-            "samples_ms": per_token, "threads": threads, "tokens": tokens, "depth": depth,
-            "build_commit": row.get("build_commit"), "model_type": row.get("model_type"),
-            "model_size": row.get("model_size"), "raw": row}
 
 
 def export_smollm2(dtypes: tuple[str, ...] = BENCH_DTYPES, out_dir: Path | None = None) -> dict[str, Path]:

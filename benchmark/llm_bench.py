@@ -12,10 +12,11 @@ runs, the peers taking turns round by round; each figure is min / median / max o
 * TTFT: prompt forward + first token pick; ITL: decode time / decode steps (``output_len - 1`` steps, EOS
   ignored); prefill tok/s = batch x input_len / TTFT; decode tok/s = batch x steps / decode time; total: one
   whole run (yirage: the ``generate`` call).
-* Peers (``--peers``): ``hf`` runs transformers eagerly on the same weights (prefill, then one forward per token
-  with its KV cache); ``llamacpp`` runs ``llama-bench`` (``benchmark/llama_cpp_peer.py`` builds it once, 5-10
-  minutes) on the same weights written as GGUF in ``--dtype``: TTFT is its ``-p input_len`` time, ITL its
-  ``-n output_len-1 -d input_len`` time. llama-bench times one sequence, so it runs batch-1 cases only.
+* Peers (``--peers``): ``hf`` runs transformers' ``generate`` on the same weights, timed as llm_decode.py times it
+  (``hf_peer.py``: a 1-token generate is TTFT); ``llamacpp`` runs ``llama-bench`` (``benchmark/llama_cpp_peer.py``
+  builds it once, 5-10 minutes) on the same weights written as GGUF in ``--dtype``: TTFT is its ``-p input_len``
+  time, ITL its ``-n output_len-1 -d input_len`` time. llama-bench times one sequence, so it runs batch-1 cases
+  only.
   Ratios are peer median / yirage median (> 1: yirage faster).
 
 Bad input (an unparsable list, a missing model, a KV cache larger than the free memory, ...) exits with status 2

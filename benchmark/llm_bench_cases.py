@@ -14,7 +14,6 @@ import itertools
 import json
 import math
 import statistics
-import subprocess
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -145,44 +144,19 @@ def yirage_round(engine: Any, ids: Any, output_len: int) -> dict[str, float]:
 
 
 def hf_round(model: Any, ids: Any, output_len: int) -> dict[str, float]:
-    """transformers eager: the prompt in one forward (TTFT), then one cached forward per greedy token."""
-    import torch
+    """transformers eager ``generate`` (the decode benchmark's peer run): a 1-token generate gives TTFT, an
+    ``output_len``-token one the rest."""
+    import hf_peer
 
-    with torch.no_grad():
-        start = time.perf_counter()
-        out = model(ids, use_cache=True, logits_to_keep=1)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        first = time.perf_counter()
-        for _ in range(output_len - 1):
-            out = model(token, past_key_values=out.past_key_values, use_cache=True)
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-        end = time.perf_counter()
-    return round_metrics(ids.shape[0], ids.shape[1], output_len - 1, first - start, end - first, end - start)
-
-
-def llama_prefill_s(binary: Path, gguf: Path, tokens: int, threads: int) -> float:
-    """Seconds llama-bench takes for a ``tokens``-token prompt (``-p tokens -n 0``)."""
-    from llama_cpp_peer import LlamaCppError
-
-    cmd = [str(binary), "-m", str(gguf), "-p", str(tokens), "-n", "0", "-t", str(threads), "-r", "1", "-fa", "0",
-           "-o", "json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise LlamaCppError(f"`{' '.join(cmd)}` failed (exit {done.returncode}): {done.stderr.strip()[-1500:]}; "
-                            "llama.cpp could not load or run the file: check it with yirage.models.gguf.read_gguf")
-    try:
-        row = next(r for r in json.loads(done.stdout) if r.get("n_prompt") == tokens and not r.get("n_gen"))
-        return float(row["avg_ns"]) / 1e9
-    except (json.JSONDecodeError, StopIteration, KeyError, TypeError, ValueError) as exc:
-        raise LlamaCppError(f"cannot read llama-bench's prompt-processing JSON ({type(exc).__name__}: {exc}); "
-                            f"output began {done.stdout[:300]!r}: the llama-bench output format changed") from exc
+    first, total = hf_peer.generate_seconds(model, ids, output_len)
+    return round_metrics(ids.shape[0], ids.shape[1], output_len - 1, first, total - first, total)
 
 
 def llama_round(binary: Path, gguf: Path, input_len: int, output_len: int, threads: int) -> dict[str, float]:
     """llama-bench's prompt time (TTFT) and its decode after ``input_len`` tokens (the decode benchmark's run)."""
     import llama_cpp_peer
 
-    ttft = llama_prefill_s(binary, gguf, input_len, threads)
+    ttft = llama_cpp_peer.bench_prompt(gguf, input_len, threads, binary=binary)["seconds"]
     steps = output_len - 1
     decode = llama_cpp_peer.bench_decode(gguf, tokens=steps, threads=threads, depth=input_len, binary=binary)
     decode_s = decode["ms_per_token"] * steps / 1e3

@@ -44,6 +44,7 @@ import yirage as yr
 from yirage.engine import GenerationConfig, InferEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_peer  # noqa: E402 - benchmark/hf_peer.py, beside this script
 import llama_cpp_peer as llama_cpp  # noqa: E402 - benchmark/llama_cpp_peer.py, beside this script
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -171,16 +172,8 @@ def yirage_run(engine: InferEngine, ids: torch.Tensor, tokens: int) -> float:
 
 def hf_run(model: Any, ids: torch.Tensor, tokens: int) -> float:
     """Decode ms/token: (time of an N-token generate - time of a 1-token generate) / (N - 1)."""
-    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-
-    def timed(n: int) -> float:
-        start = time.perf_counter()
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
-        return time.perf_counter() - start
-
-    one = timed(1)
-    return (timed(tokens) - one) / (tokens - 1) * 1e3
+    first, total = hf_peer.generate_seconds(model, ids, tokens)
+    return (total - first) / (tokens - 1) * 1e3
 
 
 @contextlib.contextmanager

@@ -212,7 +212,7 @@ def test_gguf_file_runs_with_the_llama_cpp_peer_on_the_same_weights(run_main, gg
     assert rows[("yirage cpu", 2)]["itl_vs_llama_cpp"] is None
     calls = [json.loads(line) for line in (fake_llama_bench / "calls.jsonl").read_text().splitlines()]
     assert {tuple(c[c.index(flag) + 1] for flag in ("-p", "-n", "-d") if flag in c) for c in calls} == {
-        ("8", "0"), ("0", "4", "8")}  # the prompt alone; 4 decode steps after the 8 prompt tokens
+        ("8", "0", "0"), ("0", "4", "8")}  # the prompt alone; 4 decode steps after the 8 prompt tokens
     # llama.cpp read the model's weights: the GGUF it got holds the same tensors as the file benchmarked
     reference = {t.name: t.data for t in GGUFReader(gguf_file).tensors}
     seen = {t.name: t.data for t in GGUFReader(fake_llama_bench / "seen.gguf").tensors}
