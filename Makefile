@@ -18,10 +18,15 @@ lint: setup
 	$(PY) -m ruff check yirage backends tools tests examples benchmark demo
 
 # The conformance kit is independent case by case and bound by compiling (numba, PoCL): two workers on the
-# two cores (pytest-xdist); everything else runs in one process (decode tests spin threads and time Ctrl-C).
+# two cores (pytest-xdist), case by case. The other files run on two workers too, a file at a time (their
+# module fixtures compile a model once), except the files whose tests time a deadline against a loaded
+# machine (Ctrl-C latency, collective timeouts of a few seconds, CPU hogs): those run alone, after.
+SERIAL_TESTS := $(wildcard tests/test_pk_safety.py tests/test_cpu_backoff.py tests/test_distributed.py \
+	tests/test_tp_decode.py)
 test: lint
 	$(PY) -m pytest -n 2 tests/test_conformance.py
-	$(PY) -m pytest --ignore=tests/test_conformance.py
+	$(PY) -m pytest -n 2 --dist loadfile --ignore=tests/test_conformance.py $(addprefix --ignore=,$(SERIAL_TESTS))
+	$(PY) -m pytest $(SERIAL_TESTS)
 	$(MAKE) triton-interpret
 
 # The conformance kit on the triton backend in Triton's interpreter (numpy on CPU tensors; TRITON_INTERPRET=1
