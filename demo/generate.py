@@ -13,9 +13,14 @@ their ratio and whether the greedy tokens are identical (a MISMATCH exits with s
     python demo/generate.py --gguf PATH/model.gguf                   # any Llama-family GGUF file
     python demo/generate.py --make-random-model /tmp/yr-w4 --config w4   # random weights (speed, not answers)
     python demo/generate.py --model-path DIR --json                  # a HF directory; one JSON object on stdout
+    torchrun --nproc-per-node 2 demo/generate.py --tp 2 --model-path DIR   # tensor-parallel over 2 ranks (gloo)
 
 Models with a chat template get the prompt as a user message; others as plain text. Without a
 tokenizer in the model directory the prompt is ``--prompt-len`` random token ids (seed 0).
+
+With ``--tp N`` under torchrun every rank loads its slices of the weights and decodes its part
+(docs/distributed.md); only rank 0 compares with transformers and prints the report. The model's KV
+heads must divide by N (SmolLM2-135M has 3: N = 3 or 1).
 """
 
 from __future__ import annotations
@@ -175,12 +180,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-local-schedulers", type=int)
     p.add_argument("--compare-hf", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout, progress on stderr")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: run under torchrun --nproc-per-node "
+                   "N with the same N (every rank loads 1/N of the weights); only rank 0 prints")
     args = p.parse_args(argv)
     if sum(x is not None for x in (args.make_random_model, args.model_path, args.gguf)) > 1:
         p.error("give one model: --gguf PATH, --model-path DIR or --make-random-model DIR")
+    if args.tp < 1:
+        p.error(f"--tp {args.tp}: pass a positive number of ranks")
     out = sys.stdout
     with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the report / the JSON object
         report, ok = run(args)
+    if report is None:  # a rank other than 0 of a tensor-parallel run: rank 0 reports
+        return 0
     if args.json:
         print(json.dumps(report), file=out)
     else:
@@ -190,7 +201,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def model_path(args: argparse.Namespace) -> Path:
     if args.make_random_model:
-        make_random_model(args.make_random_model, args.config, args.overwrite)
+        if rank_of(args) == 0:
+            make_random_model(args.make_random_model, args.config, args.overwrite)
+        else:  # rank 0 writes it; the others wait for its config.json (a fresh directory is written once)
+            deadline = time.monotonic() + 300
+            while not (args.make_random_model / "model.safetensors").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(1.0)
         return args.make_random_model
     if args.gguf or args.model_path:
         return args.gguf or args.model_path
@@ -223,13 +240,23 @@ def weights_text(engine: InferEngine, dtype: str | None) -> str:
     return f"{kept} GGUF tensors: {types}"
 
 
-def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
+def rank_of(args: argparse.Namespace) -> int:
+    """This process's rank (0 without --tp), from torchrun's / mpirun's environment."""
+    if args.tp == 1:
+        return 0
+    from yirage.distributed import resolve_world
+
+    return resolve_world().rank
+
+
+def run(args: argparse.Namespace) -> tuple[dict[str, Any] | None, bool]:
     path = model_path(args)
     yr.set_backend(args.backend)
     backend = yr.get_backend().value
     dtype = DTYPES.get(args.dtype) if args.dtype else None
     engine = InferEngine(path, backend=backend, dtype=dtype, num_workers=args.num_workers,
-                         num_local_schedulers=args.num_local_schedulers)
+                         num_local_schedulers=args.num_local_schedulers, tp=args.tp if args.tp > 1 else None)
+    rank = rank_of(args)
     cfg = engine.config
     tokenizer = engine.tokenizer if path.is_file() else load_tokenizer(path)
     ids, chat = prompt_ids(args, engine, tokenizer)
@@ -241,6 +268,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     warmup_s = time.perf_counter() - start
     log(f"warm-up {warmup_s:.2f} s; timed generation of up to {gen.max_new_tokens} tokens...")
     res = engine.generate(ids, gen)
+    if rank != 0:
+        return None, True
     n = max(res.lengths)  # HF decodes exactly as many tokens (its EOS is switched off) for a like-for-like time
     hf_ms = hf_ttft = identical = None
     if args.compare_hf:
@@ -255,7 +284,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
         "model": str(path), "tokens": res.tokens[:, :n].tolist(), "ttft_ms": res.ttft_ms,
         "ms_per_token": res.ms_per_token, "tokens_per_s": res.tokens_per_s, "backend": res.backend,
         "hf_ttft_ms": hf_ttft, "hf_tokens_per_s": hf_tps, "identical_to_hf": identical, "hf_ms_per_token": hf_ms,
-        "timings": {"warmup_s": warmup_s, **res.timings},
+        "timings": {"warmup_s": warmup_s, **res.timings}, "tp": args.tp,
         "config": {**dataclasses.asdict(cfg), "dtype": weights_text(engine, args.dtype), "batch_size": args.batch_size,
                    "prompt_len": ids.shape[1], "max_new_tokens": gen.max_new_tokens, "temperature": gen.temperature,
                    "top_k": gen.top_k, "top_p": gen.top_p, "seed": gen.seed, "tokenizer": tokenizer is not None,
@@ -272,7 +301,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
 def print_text(r: dict[str, Any], out: Any) -> None:
     c, t = r["config"], r["timings"]
     lines = [
-        f"backend      {r['backend']}",
+        f"backend      {r['backend']}" + (f", tensor-parallel over {r['tp']} ranks" if r.get("tp", 1) > 1 else ""),
         f"model        {c['model_type']}: hidden {c['hidden']}, intermediate {c['intermediate']}, "
         f"{c['layers']} layers, {c['heads']} heads ({c['kv_heads']} kv), vocab {c['vocab']}, weights {c['dtype']}",
         f"batch        {c['batch_size']} x prompt {c['prompt_len']} tokens, {c['max_new_tokens']} new tokens, "

@@ -89,21 +89,40 @@ class InferEngine:
 
     def __init__(self, model_path: str | Path, backend: Any = None, dtype: Any = None,
                  num_workers: int | None = None, num_local_schedulers: int | None = None,
-                 tasks_per_layer: int | None = None) -> None:
+                 tasks_per_layer: int | None = None, tp: int | None = None) -> None:
         """``tasks_per_layer``: how many tasks each projection is split into (the LM head gets twice as many;
         default: the backend's proposal, see LlamaModel.build_decoder). Fewer, larger tasks cost less per task;
-        more balance better across many workers."""
+        more balance better across many workers.
+
+        ``tp``: tensor-parallel ranks (default 1). With ``tp=N > 1`` this process is one of N ranks started by
+        torchrun (or mpirun with the same environment): it loads only its slices of the weights, joins the
+        process group (the backend's collective, e.g. gloo) and decodes its part; every rank must make the same
+        calls with the same prompts (docs/distributed.md). Default workers then: this machine's cores / its ranks.
+        """
         from yirage.backend.selection import current_backend, resolve
 
         if tasks_per_layer is not None and (isinstance(tasks_per_layer, bool) or not isinstance(tasks_per_layer, int)
                                             or tasks_per_layer < 1):
             raise ValueError(f"tasks_per_layer must be a positive int, got {tasks_per_layer!r}; pass e.g. 4, or "
                              "None for the backend's default")
+        if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+            raise ValueError(f"tp must be a positive int (tensor-parallel ranks), got {tp!r}; pass e.g. 2 under "
+                             "torchrun --nproc-per-node 2, or None for one rank")
+        self.tp = tp or 1
         self.tasks_per_layer = tasks_per_layer
         self._lock = ForkSafeRLock()  # a child forked while another thread generates gets a fresh lock
         self.backend = (current_backend(need="persistent") if backend is None
                         else resolve(backend, "InferEngine(backend=...)", need="persistent"))
-        self.model = load_model(model_path, dtype)
+        if self.tp > 1:
+            from yirage.distributed.tp_model import open_tp_model
+
+            self.model, self.world = open_tp_model(model_path, self.tp, self.backend, dtype)
+            if num_workers is None:  # the ranks of one machine share its cores
+                local = int(os.environ.get("LOCAL_WORLD_SIZE") or self.tp)
+                num_workers = max(1, (os.cpu_count() or 1) // max(1, local))
+            num_local_schedulers = 0 if num_local_schedulers is None else num_local_schedulers
+        else:
+            self.model, self.world = load_model(model_path, dtype), None
         self._model_path = model_path
         self._tokenizer: Any = _UNSET  # built on first use (a GGUF file's takes seconds), then kept
         self._tokenizer_error: str | None = None

@@ -15,6 +15,7 @@ torchrun then stops the others.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from yirage.distributed.world import DistributedError, _Group, current_group
@@ -22,6 +23,8 @@ from yirage.distributed.world import DistributedError, _Group, current_group
 #: longest wait (s) for the surviving ranks to check in after a failed collective (a quarter of the timeout
 #: when that is shorter): enough for peers that saw the same failure, short beside any useful timeout
 GRACE_S = 5.0
+#: seconds per slice of a wait that can be interrupted (``stop=``): how late a stopped rank notices
+SLICE_S = 0.1
 
 
 def _check_label(label: Any) -> str:
@@ -67,17 +70,50 @@ def _missing_ranks(group: _Group, seq: int) -> str:
             "this collective (see that rank's log)")
 
 
-def _run(label: str, start: Any, timeout_s: float | None) -> None:
-    """Start a collective (``start()`` returns its Work), wait at most the timeout, explain a failure."""
+class CollectiveInterrupted(DistributedError):
+    """A collective abandoned because the run was asked to stop (Ctrl-C) while it waited for the other ranks."""
+
+
+def _wait(work: Any, timeout: float, stop: Callable[[], bool] | None) -> None:
+    """``work.wait`` for at most ``timeout`` s; with ``stop``, in slices of SLICE_S that re-check it."""
     from datetime import timedelta
 
+    if stop is None:
+        work.wait(timeout=timedelta(seconds=timeout))
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            work.wait(timeout=timedelta(seconds=max(0.001, min(SLICE_S, left))))
+            return
+        except RuntimeError as exc:  # gloo: "Operation timed out!"; the collective goes on and can be waited again
+            if "timed out" not in str(exc).lower() or left <= SLICE_S:
+                raise
+        if stop():
+            raise CollectiveInterrupted("stopped while waiting for the other ranks")
+
+
+def _run(label: str, start: Any, timeout_s: float | None, stop: Callable[[], bool] | None = None) -> None:
+    """Start a collective (``start()`` returns its Work), wait at most the timeout, explain a failure.
+
+    ``stop``: checked between slices of the wait (a decode interrupted by Ctrl-C stops waiting for its peers).
+    """
     group = current_group()
+    if group.broken:
+        raise DistributedError(f"{group.world}: {label}: the process group is out of step ({group.broken}); stop "
+                               "every rank and start the run again")
     group.calls += 1
     seq = group.calls
     timeout = group.timeout_s if timeout_s is None else float(timeout_s)
     try:
         work = start()
-        work.wait(timeout=timedelta(seconds=timeout))
+        _wait(work, timeout, stop)
+    except CollectiveInterrupted as exc:
+        group.broken = f"{label} was interrupted"
+        raise CollectiveInterrupted(f"{group.world}: {label} was interrupted (the run was stopped, e.g. by Ctrl-C) "
+                                    "while waiting for the other ranks; the ranks are out of step now: stop every "
+                                    "rank and start the run again") from exc
     except RuntimeError as exc:  # DistBackendError / DistNetworkError / gloo's timeout are RuntimeErrors
         timed_out = "timed out" in str(exc).lower() or "timeout" in type(exc).__name__.lower()
         how = f"timed out after {timeout:g} s" if timed_out else "failed: a peer closed the connection"
@@ -87,16 +123,38 @@ def _run(label: str, start: Any, timeout_s: float | None) -> None:
             f"[{group.collective}: {type(exc).__name__}: {str(exc)[:300]}]") from exc
 
 
-def all_reduce_(tensor: Any, label: str, timeout_s: float | None = None) -> Any:
-    """Sum ``tensor`` over the ranks, in place (row-parallel O and down projections); returns it."""
+def all_reduce_(tensor: Any, label: str, timeout_s: float | None = None, stop: Callable[[], bool] | None = None
+                ) -> Any:
+    """Sum ``tensor`` over the ranks, in place (row-parallel O and down projections); returns it.
+
+    ``stop``: a callable checked while waiting (in slices); True abandons the wait with CollectiveInterrupted.
+    """
     import torch.distributed as dist
 
     label = _check_label(label)
     tensor = _tensor(tensor, "the tensor", label)
     if not tensor.is_floating_point():
         raise DistributedError(f"{label}: all_reduce_ sums partial results: pass a float tensor, got {tensor.dtype}")
-    _run(label, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True), timeout_s)
+    _run(label, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True), timeout_s, stop)
     return tensor
+
+
+def all_gather_parts(parts: list[Any], tensor: Any, label: str, timeout_s: float | None = None,
+                     stop: Callable[[], bool] | None = None) -> list[Any]:
+    """Every rank's ``tensor`` into ``parts`` (one preallocated tensor per rank, rank order). Unlike
+    all_gather_rows the shapes are not exchanged first: the caller guarantees one shape on every rank (a
+    compiled decode step, whose buffers are fixed when it is built)."""
+    import torch.distributed as dist
+
+    label = _check_label(label)
+    tensor = _tensor(tensor, "the tensor", label)
+    n = current_group().world.world_size
+    if len(parts) != n or any(p.shape != tensor.shape or p.dtype != tensor.dtype or not p.is_contiguous()
+                              for p in parts):
+        raise DistributedError(f"{label}: all_gather_parts needs {n} contiguous tensors shaped like the input "
+                               f"{tuple(tensor.shape)} {tensor.dtype}")
+    _run(label, lambda: dist.all_gather(parts, tensor, async_op=True), timeout_s, stop)
+    return parts
 
 
 def all_gather_rows(tensor: Any, label: str, dim: int = 0, timeout_s: float | None = None) -> Any:

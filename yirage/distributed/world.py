@@ -205,6 +205,7 @@ class _Group:
     timeout_s: float
     store: Any  # the rendezvous store, kept for finding dead ranks after a failed collective
     calls: int = 0  # collectives issued so far: the same sequence on every rank
+    broken: str = ""  # a collective abandoned while pending (Ctrl-C): the group cannot be used any more
 
 
 _GROUP: _Group | None = None
@@ -283,6 +284,10 @@ def shutdown_world() -> None:
     import torch.distributed as dist
 
     if _GROUP is not None and dist.is_initialized():
-        dist.destroy_process_group()
+        # after a collective abandoned on Ctrl-C it is still pending: destroying the group would wait for it until
+        # the timeout (measured: the full 60 s), and aborting a gloo group hangs the same way; the run is over,
+        # so such a group is left to the process's exit
+        if not _GROUP.broken:
+            dist.destroy_process_group()
     _GROUP = None
     atexit.unregister(shutdown_world)

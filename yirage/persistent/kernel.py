@@ -22,7 +22,7 @@ from yirage.errors import NotSupportedError
 from yirage.locks import ForkSafeRLock
 from yirage.persistent import shutdown  # noqa: F401 - registers the exit hook before any decode runs
 from yirage.persistent.guard import Snapshot, check_disjoint, check_tensor, refuse_dispatch_modes
-from yirage.persistent.layers import Layer, LayerError, PKTensor, require, split_ok
+from yirage.persistent.layers import Layer, LayerError, PKTensor, check_collective_layer, check_world, require, split_ok
 from yirage.persistent.program import PersistentProgram, build_program
 from yirage.persistent.task_graph import TaskGraph
 from yirage.quant import FORMATS as QUANT_FORMATS
@@ -65,11 +65,12 @@ class PersistentKernel:
 
         self.backend = (current_backend(need="persistent") if backend is None
                         else resolve(backend, "PersistentKernel(backend=...)", need="persistent"))
-        if world_size != 1 or mpi_rank != 0 or num_remote_schedulers:
+        if num_remote_schedulers:
             raise NotSupportedError(
-                "multi-device PersistentKernels (world_size > 1, remote schedulers) are not supported yet; "
-                "use world_size=1, mpi_rank=0, num_remote_schedulers=0"
-            )
+                f"num_remote_schedulers={num_remote_schedulers!r}: remote schedulers are not supported; the "
+                "collectives of a multi-rank kernel run on the runtime's communication thread (allreduce_layer, "
+                "allgather_layer): pass num_remote_schedulers=0")
+        self.world_size, self.mpi_rank = check_world(self.backend, world_size, mpi_rank)
         if spec_decode_config is not None:
             raise NotSupportedError("speculative decoding is not supported yet; pass spec_decode_config=None")
         if meta_tensors is None or len(meta_tensors) != 2:
@@ -304,6 +305,40 @@ class PersistentKernel:
         tasks = _grid(grid_dim)
         split_ok(name, w.dims[0], tasks)
         self._add(kind, {"input": x, "weight": w, "residual": r}, output, tasks)
+
+    def allreduce_layer(self, input: PKTensor, output: PKTensor, label: str, grid_dim: Any = 1,
+                        block_dim: Any = None) -> None:
+        """output = the sum of ``input`` over the ranks (after a row-parallel projection); ``label`` names it in
+        errors ("layer 3 o_proj all-reduce"). One task: it waits for the collective, other layers' tasks go on."""
+        name = "allreduce_layer"
+        x = self._own(name, "input", input)
+        self._dims(name, "output", output, x.dims)
+        require(x.dtype == "float32", name, f"input {x.name!r} is {x.dtype}; collectives sum float32 activations")
+        check_collective_layer(name, (self.world_size, self.mpi_rank), label, grid_dim)
+        self._add("allreduce", {"input": x}, output, 1, label=label)
+
+    def allgather_layer(self, input: PKTensor, output: PKTensor, label: str, shard_width: int, grid_dim: Any = 1,
+                        block_dim: Any = None) -> None:
+        """Every rank's ``input`` columns side by side: rank r's land at ``r * shard_width`` (a vocabulary-parallel
+        LM head's logits); ``output`` keeps its first columns (the last shard may be short: the rest is padding)."""
+        name = "allgather_layer"
+        x = self._own(name, "input", input)
+        require(len(x.dims) == 2 and x.dims[0] == self.batch and x.dtype == "float32", name,
+                f"input must be float32 (batch={self.batch}, columns), got {x.dims} {x.dtype}")
+        require(isinstance(shard_width, int) and not isinstance(shard_width, bool) and x.dims[1] <= shard_width,
+                name, f"shard_width={shard_width!r} must be an int >= the input's {x.dims[1]} columns (every "
+                      "rank's shard is padded to it)")
+        n, r = self.world_size, self.mpi_rank
+        require(len(output.dims) == 2 and output.dims[0] == self.batch and (n - 1) * shard_width < output.dims[1]
+                <= n * shard_width, name, f"output must be (batch={self.batch}, columns) with columns in "
+                                          f"({(n - 1) * shard_width}, {n * shard_width}] for {n} shards of "
+                                          f"{shard_width}, got {output.dims}")
+        require(x.dims[1] == min(shard_width, output.dims[1] - r * shard_width), name,
+                f"rank {r} holds columns {r * shard_width}.. of {output.dims[1]}: its input must have "
+                f"{min(shard_width, output.dims[1] - r * shard_width)} columns, got {x.dims[1]}")
+        self._dims(name, "output", output, output.dims)
+        check_collective_layer(name, (self.world_size, self.mpi_rank), label, grid_dim)
+        self._add("allgather", {"input": x}, output, 1, label=label, shard_width=shard_width)
 
     def argmax_layer(self, input: PKTensor, output: PKTensor, grid_dim: Any = 1, block_dim: Any = None) -> None:
         """Greedy decoding: output[b, 0] = argmax of the logits row (first index on ties)."""

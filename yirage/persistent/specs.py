@@ -102,6 +102,9 @@ class LayerSpec:
     writes: tuple[str, ...] = ()  # input roles written in place (KV caches)
     picks_token: bool = False  # its output is the next token of every row
     token_table: str | None = None  # the role whose rows the current token ids index
+    # a collective across the ranks of a tensor-parallel run ("all_reduce", "all_gather"): its one task hands
+    # the input to the runtime's communication thread and waits for the result (yirage.distributed.collectives)
+    collective: str | None = None
 
     def read_partition(self, role: str) -> Partition:
         return dict(self.reads).get(role, Partition.WHOLE)
@@ -135,6 +138,9 @@ LAYER_SPECS: dict[str, LayerSpec] = {spec.kind: spec for spec in (
               params=(Param("temperature", float, FloatCol.TEMPERATURE), Param("top_k", int, IntCol.TOP_K),
                       Param("top_p", float, FloatCol.TOP_P), Param("seed", int, IntCol.SEED)),
               meta=frozenset({"step"})),
+    # tensor parallelism: one task each; the runtime runs the collective (labelled by the layer's "label" param)
+    LayerSpec("allreduce", "allreduce_layer", ("input",), output=Partition.WHOLE, collective="all_reduce"),
+    LayerSpec("allgather", "allgather_layer", ("input",), output=Partition.WHOLE, collective="all_gather"),
 )}
 
 KIND_CODES: dict[str, int] = {kind: code for code, kind in enumerate(LAYER_SPECS)}

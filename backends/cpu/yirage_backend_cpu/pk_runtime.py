@@ -18,11 +18,16 @@ from Python, for a non-main thread through yirage.persistent.shutdown; a
 task that finds bad input sets it too, with an error code in ``flags[ERROR]``
 that ``run()`` turns into an exception). A stopped step is
 not committed: ``tokens``/``step`` hold exactly the steps completed.
+
+A multi-rank kernel's collective layers (all-reduce, all-gather) are tasks
+too: their body hands the layer to a communication thread and waits for it
+(pk_comm); a failed collective stops the run and ``run()`` raises its error.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import numba
@@ -36,6 +41,7 @@ from yirage.persistent.program import PersistentProgram
 from yirage.persistent.specs import FloatCol, IntCol, kind_code
 from yirage_backend_cpu.atomics import atomic_add, atomic_load, atomic_store, cycle_counter
 from yirage_backend_cpu.pk_calls import call_decode
+from yirage_backend_cpu.pk_comm import ERR_COMM, ERR_PIPE, FLAG_SLOTS, Communicator
 from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q4_BYTES, Q8_0, Q8_0G, Q8_BYTES, dtype_code
 from yirage_backend_cpu.pk_tasks import (
     ATTN,
@@ -300,7 +306,14 @@ class CPUPersistentRuntime:
         self.scratch = np.zeros(max(1, self.workers + self.schedulers) * scratch, np.float32)
         self.ids = (program.tokens_id, program.tokens.shape[1], self._step_id(), program.pick_id)
         self.steps_run = np.zeros(1, np.int64)
-        self.flags = np.zeros(8, np.int64)  # STOP, ERROR, ERR_VALUE, ERR_ROW (module docstring), YIELDS, SLEEPS
+        # STOP, ERROR, ERR_VALUE, ERR_ROW (module docstring), YIELDS, SLEEPS; slots 8 .. 15: pk_comm's protocol
+        self.flags = np.zeros(FLAG_SLOTS, np.int64)
+        # the communication thread of a multi-rank kernel (collective layers), None for one rank
+        self.comm = Communicator(program, self.values) if any(
+            layer.spec.collective is not None for layer in program.layers) else None
+        if self.comm is not None:
+            weakref.finalize(self, self.comm.close)
+        self.last_comm = {"calls": 0, "comm_s": 0.0, "decode_s": 0.0}  # of the last run: the communication share
         self.last_profile: np.ndarray | None = None
         self.last_backoff = {"yields": 0, "sleeps": 0}  # of the last run: idle threads that gave their core away
         # every address in the table, re-checked before each run (the kernel checks the user's tensors too)
@@ -370,13 +383,28 @@ class CPUPersistentRuntime:
                 np.array(program.eos_token_ids or [-1], np.int64), program.max_seq_length, program.batch, tokens_id,
                 tok_cols, step_id, pick_id, self.scratch, self.scr, profile, self.steps_run, self.flags)
         check_fork()
-        # registered while in flight: if the main thread dies (Ctrl-C), the exit hook stops this decode
-        with shutdown.decoding(self), serialized():  # serialized: only on a threading layer that needs it
-            wall = time.perf_counter_ns()
-            cycles = _cycles()
-            steps = call_decode(decode, threads, args, self.flags)  # Ctrl-C stops it (pk_calls)
-        ns_per_cycle = (time.perf_counter_ns() - wall) / max(1, _cycles() - cycles)
+        comm = self.comm
+        if comm is not None:
+            comm.start(self.flags)  # the thread that runs the collective layers' collectives (pk_comm)
+        try:
+            # registered while in flight: if the main thread dies (Ctrl-C), the exit hook stops this decode
+            with shutdown.decoding(self), serialized():  # serialized: only on a threading layer that needs it
+                wall = time.perf_counter_ns()
+                cycles = _cycles()
+                steps = call_decode(decode, threads, args, self.flags)  # Ctrl-C stops it (pk_calls)
+            ns_per_cycle = (time.perf_counter_ns() - wall) / max(1, _cycles() - cycles)
+        finally:
+            if comm is not None:
+                comm.finish()  # a collective in flight (a stopped run) gives up within one slice
         self.last_backoff = {"yields": int(self.flags[YIELDS]), "sleeps": int(self.flags[SLEEPS])}
+        if comm is not None:
+            self.last_comm = {"calls": comm.calls, "comm_s": comm.comm_ns / 1e9,
+                              "decode_s": (time.perf_counter_ns() - wall) / 1e9}
+            if self.flags[ERROR] == ERR_PIPE:
+                raise NotSupportedError("the CPU runtime could not hand a collective to its communication thread "
+                                        "(write to its pipe failed); the run cannot go on: restart every rank")
+            if self.flags[ERROR] == ERR_COMM and comm.error is not None:
+                raise comm.error
         if self.flags[ERROR] == ERR_TOKEN:
             row, tok = int(self.flags[ERR_ROW]), int(self.flags[ERR_VALUE])
             raise token_out_of_range(row, tok)

@@ -23,8 +23,10 @@ from numba import njit
 from numba.core.registry import CPUDispatcher
 
 from yirage.persistent.specs import LAYER_SPECS, FloatCol, IntCol, kind_code, layout_fingerprint
+from yirage_backend_cpu import pk_comm
 from yirage_backend_cpu.atomics import atomic_store
 from yirage_backend_cpu.kernel_lib import FASTMATH, as_pointer, fexp, fmax, fsilu, half_to_float, racc, rfma
+from yirage_backend_cpu.pk_comm import communicate
 from yirage_backend_cpu.pk_quant import dequantize_row, finish_rows, is_quantized, linear_q, row_bytes
 from yirage_backend_cpu.sources import tie_caches_to_sources
 
@@ -33,15 +35,18 @@ F = np.float32
 OPTS = {"fastmath": FASTMATH, "error_model": "numpy", "nogil": True, "cache": True}
 
 F32, BF16, F16, I64 = 0, 1, 2, 3  # tensor dtype codes of the address table (quantized: pk_quant's Q8_0, Q4_0)
-STOP, ERROR, ERR_VALUE, ERR_ROW = range(4)  # flags slots
-ERR_TOKEN = 1  # flags[ERROR]: a token id outside the embed table
+STOP, ERROR, ERR_VALUE, ERR_ROW = range(4)  # flags slots (pk_comm's protocol uses slots 8 .. 15)
+ERR_TOKEN = 1  # flags[ERROR]: a token id outside the embed table (pk_comm: 2 and 3, a failed collective)
+if (STOP, ERROR) != (pk_comm.STOP, pk_comm.ERROR):
+    raise AssertionError("pk_comm must use pk_tasks' STOP and ERROR flags slots")
 
 # Kind codes and descriptor columns come from the core's LayerSpec table (yirage.persistent.specs); numba
 # freezes these module globals into the compiled code, and LAYOUT makes a changed table recompile it.
-EMBED, RMSLIN, ATTN, LINRES, SILURES, ARGMAX, SAMPLE = (kind_code(k) for k in (
+EMBED, RMSLIN, ATTN, LINRES, SILURES, ARGMAX, SAMPLE, ALLRED, ALLGAT = (kind_code(k) for k in (
     "embed", "rmsnorm_linear", "attention", "linear_with_residual", "silu_mul_linear_with_residual", "argmax",
-    "sample"))
-BODIES = frozenset({EMBED, RMSLIN, ATTN, LINRES, SILURES, ARGMAX, SAMPLE})  # the kinds execute() has a body for
+    "sample", "allreduce", "allgather"))
+# the kinds execute() has a body for (the collectives' bodies hand the layer to pk_comm's thread)
+BODIES = frozenset({EMBED, RMSLIN, ATTN, LINRES, SILURES, ARGMAX, SAMPLE, ALLRED, ALLGAT})
 C_KIND, C_OUT, C_K, C_N, C_TASKS = (int(c) for c in (IntCol.KIND, IntCol.OUTPUT, IntCol.K, IntCol.N, IntCol.TASKS))
 C_KV_HEADS, C_GROUP, C_HEAD_DIM, C_SEQ = (int(c) for c in (IntCol.KV_HEADS, IntCol.GROUP, IntCol.HEAD_DIM,
                                                            IntCol.CACHE_SEQ))
@@ -372,7 +377,7 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
                 ob[i] = fsilu(gb[i]) * gb[kk + i]
         linear(xs, batch, k, addr[lp[layer, SILU_W]], tdt[lp[layer, SILU_W]], n0, n0 + cols, out, n, res, none,
                scratch[batch * k:])
-    else:  # ATTN
+    elif kind == ATTN:
         kv_heads, group, d, seq = lp[layer, C_KV_HEADS], lp[layer, C_GROUP], lp[layer, C_HEAD_DIM], lp[layer, C_SEQ]
         b = t // kv_heads
         g = t - b * kv_heads
@@ -382,6 +387,8 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
         cos = f32s(addr[lp[layer, ATT_COS]], tnum[lp[layer, ATT_COS]])
         sin = f32s(addr[lp[layer, ATT_SIN]], tnum[lp[layer, ATT_SIN]])
         attention(qkv, b, g, group, d, step[b], kc, vc, seq, kv_heads, cos, sin, out, n, scratch)
+    else:  # ALLRED, ALLGAT: pk_comm's thread runs the collective on the layer's buffers; this task waits for it
+        communicate(layer, flags)
 
 
 @njit(**OPTS)

@@ -1,0 +1,182 @@
+"""One rank's part of a tensor-parallel Llama model: prefill in torch (ReferenceTP), decode as a PersistentKernel.
+
+``TPModel`` has the interface ``InferEngine`` uses of a ``LlamaModel``
+(``config``, ``reset_cache``, ``check_cache_fits``, ``forward``,
+``build_decoder``, ``gguf``), over this rank's ``RankShard``: the prefill is
+``ReferenceTP.forward`` (it fills this rank's KV caches, the gathered logits
+pick the first token on every rank alike), and ``build_decoder`` builds this
+rank's decode step as a PersistentKernel:
+
+    embed (replicated)
+    per layer i:  rmsnorm + qkv (this rank's KV heads and their query heads)
+                  attention over this rank's KV cache (kv/N heads)
+                  o (row-parallel) + residual on rank 0, + zeros elsewhere  -> partial sum
+                  allreduce "layer i o_proj all-reduce"                     -> x_mid
+                  rmsnorm + gate/up (this rank's ff/N rows)
+                  silu*mul + down (row-parallel) + residual on rank 0 only  -> partial sum
+                  allreduce "layer i down_proj all-reduce"                  -> x
+    rmsnorm + lm_head (this rank's vocabulary rows)  -> local logits (batch, P or fewer)
+    allgather "lm_head logits all-gather"             -> logits (batch, vocab), -inf padding never kept
+    argmax / sampling over the full logits (the same on every rank)
+
+The residual is added exactly once, by rank 0, before the sum. The LM head
+gathers the logits instead of exchanging (value, index) pairs: the picker then
+sees the exact full row, so greedy ties and NaNs resolve as ``torch.argmax`` /
+``argmax_shards`` do, sampling works unchanged and ``read("logits")`` returns
+the full row; it costs one all-gather of ``4 * P`` bytes per row per rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from yirage.distributed.reference_tp import ReferenceTP
+from yirage.distributed.sharding import RankShard
+from yirage.models.llama import DEFAULT_TASKS, LlamaConfig, ModelError, divisor_near
+
+
+class TPModel:
+    """This rank's shard, KV caches and RoPE tables; see the module docstring."""
+
+    def __init__(self, shard: RankShard, gguf: Any = None) -> None:
+        self.shard = shard
+        self.reference = ReferenceTP(shard)  # checks that this process is the shard's rank
+        self.plan = shard.plan
+        self.rank, self.world_size = shard.rank, shard.plan.world_size
+        self.gguf = gguf  # a GGUFInfo when loaded from a GGUF file (the engine's tokenizer reads it)
+
+    @property
+    def config(self) -> LlamaConfig:
+        """The whole model's config (the engine checks prompts and EOS against it)."""
+        return self.plan.config
+
+    @property
+    def k_cache(self) -> list[Any]:
+        return self.reference.k_cache
+
+    @property
+    def v_cache(self) -> list[Any]:
+        return self.reference.v_cache
+
+    def check_cache_fits(self, batch_size: int, max_len: int) -> None:
+        """Refuse a KV cache (this rank's KV heads) larger than the memory available now."""
+        import psutil
+
+        c = self.plan.local_config()
+        kv = 2 * c.layers * batch_size * c.kv_heads * max_len * c.head_dim * 4
+        available = psutil.virtual_memory().available
+        if kv > available:
+            raise ModelError(f"rank {self.rank}'s KV cache for batch {batch_size} x {max_len} positions would need "
+                             f"{kv / 2**30:.3g} GB, but only {available / 2**30:.3g} GB is available; lower "
+                             "max_new_tokens (or the prompt length or batch size), or use more ranks")
+
+    def reset_cache(self, batch_size: int, max_len: int) -> None:
+        self.check_cache_fits(batch_size, max_len)
+        self.reference.reset_cache(batch_size, max_len)
+
+    def forward(self, input_ids: Any, positions: Any, last_only: bool = False) -> Any:
+        """The full logits (B, T, vocab), gathered from every rank's shard; writes this rank's KV caches.
+        Every rank must call it with the same inputs."""
+        return self.reference.gather_logits(self.reference.forward(input_ids, positions, last_only),
+                                            "prefill logits all-gather")
+
+    def build_decoder(self, step: Any, tokens: Any, backend: Any = None, num_workers: int | None = None,
+                      num_local_schedulers: int | None = None, eos_token_id: Any = None,
+                      sampling: dict[str, Any] | None = None, profiler_tensor: Any = None,
+                      tasks: int | None = None) -> Any:
+        """This rank's decode step as a compiled PersistentKernel over its shard and KV caches (reset_cache
+        first); every rank builds and runs its own, with the same arguments."""
+        return build_tp_decoder(self, step, tokens, backend=backend, num_workers=num_workers,
+                                num_local_schedulers=num_local_schedulers, eos_token_id=eos_token_id,
+                                sampling=sampling, profiler_tensor=profiler_tensor, tasks=tasks)
+
+
+def build_tp_decoder(model: TPModel, step: Any, tokens: Any, backend: Any = None, num_workers: int | None = None,
+                     num_local_schedulers: int | None = None, eos_token_id: Any = None,
+                     sampling: dict[str, Any] | None = None, profiler_tensor: Any = None,
+                     tasks: int | None = None) -> Any:
+    """The per-rank task graph of the module docstring, compiled for ``backend``."""
+    import torch
+
+    from yirage.persistent.kernel import PersistentKernel
+
+    ref, shard, plan = model.reference, model.shard, model.plan
+    c, full, batch = plan.local_config(), plan.config, tokens.shape[0]
+    if not ref.k_cache or ref.k_cache[0].shape[0] != batch:
+        raise ModelError("call reset_cache(batch_size, max_len) with the tokens' batch size first")
+    max_len = ref.k_cache[0].shape[2]
+    pk = PersistentKernel(world_size=model.world_size, mpi_rank=model.rank, num_workers=num_workers,
+                          num_local_schedulers=num_local_schedulers, max_seq_length=max_len,
+                          eos_token_id=eos_token_id, meta_tensors=[step, tokens], profiler_tensor=profiler_tensor,
+                          backend=backend)
+    if tasks is None:
+        tasks = int(pk.config.values().get("tasks_per_layer") or DEFAULT_TASKS)
+    att = pk.attach_input
+    cos, sin = att(ref.cos, "rope_cos"), att(ref.sin, "rope_sin")
+    # rank 0 adds the residual before the sum, the others add zeros: the all-reduce then adds it exactly once
+    zeros = None if model.rank == 0 else att(torch.zeros(batch, c.hidden), "zero_residual")
+    x = pk.new_tensor((batch, c.hidden), name="x0")
+    pk.embed_layer(pk.tokens_tensor, att(shard.embed, "embed"), x, grid_dim=divisor_near(c.hidden, tasks))
+    qkv_cols = c.kv_heads * (c.group + 2) * c.head_dim
+    for i, blk in enumerate(shard.blocks):
+        qkv = pk.new_tensor((batch, qkv_cols), name=f"qkv{i}")
+        bias = att(blk["qkv_bias"], f"qkv_bias{i}") if "qkv_bias" in blk else None
+        pk.rmsnorm_linear_layer(x, att(blk["ln1"], f"ln1_{i}"), att(blk["qkv"], f"wqkv{i}"), qkv,
+                                grid_dim=divisor_near(qkv_cols, tasks), eps=c.eps, bias=bias)
+        attn = pk.new_tensor((batch, c.heads * c.head_dim), name=f"attn{i}")
+        pk.attention_layer(qkv, att(ref.k_cache[i], f"k_cache{i}"), att(ref.v_cache[i], f"v_cache{i}"),
+                           cos_pos_embed=cos, sin_pos_embed=sin, output=attn)
+        part = pk.new_tensor((batch, c.hidden), name=f"o_partial{i}")
+        pk.linear_with_residual_layer(attn, att(blk["o"], f"wo{i}"), x if zeros is None else zeros, part,
+                                      grid_dim=divisor_near(c.hidden, tasks))
+        x_mid = pk.new_tensor((batch, c.hidden), name=f"x{i}_mid")
+        pk.allreduce_layer(part, x_mid, label=f"layer {i} o_proj all-reduce")
+        gu = pk.new_tensor((batch, 2 * c.intermediate), name=f"gate_up{i}")
+        pk.rmsnorm_linear_layer(x_mid, att(blk["ln2"], f"ln2_{i}"), att(blk["gate_up"], f"wgu{i}"), gu,
+                                grid_dim=divisor_near(2 * c.intermediate, tasks), eps=c.eps)
+        part = pk.new_tensor((batch, c.hidden), name=f"down_partial{i}")
+        pk.silu_mul_linear_with_residual_layer(gu, att(blk["down"], f"wdown{i}"),
+                                               x_mid if zeros is None else zeros, part,
+                                               grid_dim=divisor_near(c.hidden, tasks))
+        x = pk.new_tensor((batch, c.hidden), name=f"x{i + 1}")
+        pk.allreduce_layer(part, x, label=f"layer {i} down_proj all-reduce")
+    v0, v1 = shard.vocab_range
+    local = pk.new_tensor((batch, v1 - v0), name="local_logits")
+    pk.rmsnorm_linear_layer(x, att(shard.norm, "final_norm"), att(shard.lm_head, "lm_head"), local,
+                            grid_dim=divisor_near(v1 - v0, 2 * tasks), eps=c.eps)
+    logits = pk.new_tensor((batch, full.vocab), name="logits")
+    pk.allgather_layer(local, logits, label="lm_head logits all-gather", shard_width=plan.vocab_per_rank)
+    picked = pk.new_tensor((batch, 1), dtype=torch.int64, name="next_token")
+    if sampling:
+        pk.sampling_layer(logits, picked, **sampling)
+    else:
+        pk.argmax_layer(logits, picked)
+    return pk.compile()
+
+
+def open_tp_model(model_path: Any, tp: int, backend: Any, dtype: Any = None) -> tuple[TPModel, Any]:
+    """(this rank's TPModel, its World) for ``InferEngine(tp=N)``: the world from torchrun's / mpirun's
+    environment, the shard loaded (a model that cannot be split fails here, before any rendezvous), then the
+    process group joined with the backend's collective."""
+    from yirage.distributed.world import DistributedError, init_world, resolve_world
+
+    world = resolve_world()
+    if world.world_size != tp:
+        raise DistributedError(f"tp={tp}, but this process is {world} ({world.source}): start {tp} ranks with "
+                               f"torchrun --nproc-per-node {tp} (or mpirun -n {tp}) and pass the same tp, or pass "
+                               f"tp={world.world_size}")
+    shard_model = _load_shard(model_path, tp, world.rank, dtype)
+    init_world(backend, world=world)
+    return TPModel(*shard_model), world
+
+
+def _load_shard(model_path: Any, world_size: int, rank: int, dtype: Any) -> tuple[RankShard, Any]:
+    from pathlib import Path
+
+    from yirage.distributed.sharding import load_gguf_shard, load_shard
+    from yirage.models.gguf import is_gguf_file, open_gguf, read_config
+
+    path = Path(model_path)
+    if is_gguf_file(path) or (path.suffix.lower() == ".gguf" and not path.is_dir()):
+        return load_gguf_shard(path, world_size, rank, dtype), read_config(open_gguf(path), path)[1]
+    return load_shard(path, world_size, rank, dtype), None
