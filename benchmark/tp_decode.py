@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,6 @@ CONFIGS = {
     "w6": {**W6, "num_attention_heads": 9, "num_key_value_heads": 3},
     "w6-kv6": {**W6, "num_attention_heads": 12, "num_key_value_heads": 6},
 }
-TAG = "TPBENCH "
 
 
 def make_model(path: Path, name: str) -> None:
@@ -63,10 +64,11 @@ def worker(args: argparse.Namespace) -> None:
     comm = getattr(decoder.runtime, "last_comm", None) if tp > 1 else None
     rank = engine.world.rank if engine.world is not None else 0
     share = comm["comm_s"] / comm["decode_s"] if comm and comm["decode_s"] else 0.0
-    print(TAG + json.dumps({"tp": tp, "rank": rank, "ms_per_token": res.ms_per_token, "comm_share": share,
+    row = json.dumps({"tp": tp, "rank": rank, "ms_per_token": res.ms_per_token, "comm_share": share,
                             "collectives_per_token": comm["calls"] / max(1, res.timings["steps"]) if comm else 0,
                             "tokens": res.tokens[0, :8].tolist(), "workers": decoder.config.values()["num_workers"],
-                            "rss_mb": _rss_mb()}), flush=True)
+                      "rss_mb": _rss_mb()})
+    (args.results / f"rank{rank}.json").write_text(row)  # a file per rank: torchrun interleaves their stdout
 
 
 def _rss_mb() -> float:
@@ -76,8 +78,9 @@ def _rss_mb() -> float:
 
 
 def launch(args: argparse.Namespace, tp: int) -> list[dict[str, Any]]:
+    results = Path(tempfile.mkdtemp(prefix="yirage-tp-bench-"))
     cmd = [sys.executable, __file__, "--worker-tp", str(tp), "--model-path", str(args.model_path),
-           "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len)]
+           "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--results", str(results)]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
     if args.num_workers:
@@ -87,7 +90,8 @@ def launch(args: argparse.Namespace, tp: int) -> list[dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     start = time.monotonic()
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
-    rows = [json.loads(line[len(TAG):]) for line in proc.stdout.splitlines() if line.startswith(TAG)]
+    rows = [json.loads(f.read_text()) for f in sorted(results.glob("rank*.json"))]
+    shutil.rmtree(results, ignore_errors=True)
     if proc.returncode != 0 or len(rows) != tp:
         raise SystemExit(f"tp={tp} failed (exit {proc.returncode}, {len(rows)} of {tp} ranks reported, "
                          f"{time.monotonic() - start:.0f} s):\n{proc.stderr[-3000:]}")
@@ -106,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-workers", type=int, help="per rank (default: cores / ranks)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--worker-tp", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--results", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.make_model:
         make_model(args.make_model, args.config)

@@ -137,6 +137,35 @@ def test_init_world_refuses_bad_setups_before_joining() -> None:
     assert not dist.is_initialized()
 
 
+DECLARED = {"cpu": "gloo", "cuda": "nccl", "ascend": "hccl", "cambricon": "cncl", "moore": "mccl", "hygon": "nccl",
+            "metax": "nccl", "iluvatar": "nccl", "opencl": None, "mps": None, "reference": None}
+
+
+@pytest.mark.parametrize("name", sorted(DECLARED))
+def test_every_backend_names_its_collective_and_one_missing_here_is_refused_with_its_reason(name: str) -> None:
+    """The issue's list (gloo on CPU, NCCL on CUDA, HCCL on Ascend, CNCL on Cambricon, MCCL on Moore Threads; the
+    CUDA-compatible stacks serve theirs as nccl); a backend without device collectives keeps None. On this machine
+    the accelerators' collectives are absent, and init_world says what to install instead of joining."""
+    import torch.distributed as dist
+
+    from yirage.backend.selection import registry
+
+    try:
+        backend = registry().get(name)
+    except yr.YirageError:
+        pytest.skip(f"the {name!r} plugin is not installed here")
+    assert backend.collective_backend() == DECLARED[name]
+    two = World(0, 2, 0, "127.0.0.1", 29500, "torchrun")
+    if DECLARED[name] is None:
+        with pytest.raises(DistributedError, match="cannot run multi-rank"):
+            init_world(backend, world=two, environ={})
+    elif DECLARED[name] not in dist.Backend.backend_list or (DECLARED[name] == "nccl" and not dist.is_nccl_available()):
+        with pytest.raises(DistributedError, match=f"'{DECLARED[name]}'.*(CUDA build of torch|torch_npu|torch_mlu|"
+                                                   "torch_musa)"):
+            init_world(backend, world=two, environ={})
+    assert not dist.is_initialized()
+
+
 
 def test_a_one_rank_group_runs_the_same_collectives_and_checks_their_inputs() -> None:
     """World size 1 (a HashStore, no network): the collectives are identities, argmax is torch.argmax's."""

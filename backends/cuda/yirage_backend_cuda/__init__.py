@@ -64,6 +64,10 @@ class CUDABackend(yirage.Backend):
     description = "CUDA C kernels (NVRTC/nvcc) on NVIDIA GPUs"
     kernel_dtypes = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
 
+    def collective_backend(self) -> str | None:
+        """Ranks of a tensor-parallel run on NVIDIA GPUs talk through NCCL (a CUDA build of torch has it)."""
+        return "nccl"
+
     def compile_check(self) -> CheckReport:  # type: ignore[override]
         """Compile-only conformance check for machines without a GPU: every kit plan through NVRTC (+ ptxas)."""
         return check_conformance()

@@ -62,7 +62,8 @@ class DomesticKernels(TorchLoweringStages, TritonStages, yirage.Backend):
     (how to get it), ``triton_backends`` (its ``triton.backends.<name>`` names), ``triton_targets``
     (the ``GPUTarget.backend`` its driver reports), ``triton_dists`` (its distribution names),
     ``triton_fp64`` (whether its Triton computes float64; FlagGems' vendor descriptors) and
-    ``later_step`` (what else is planned, said in the fallback reason).
+    ``later_step`` (what else is planned, said in the fallback reason) and ``collective`` (the
+    torch.distributed backend the vendor's torch registers for its devices: multi-rank runs).
     """
 
     triton_name: ClassVar[str] = ""
@@ -72,9 +73,14 @@ class DomesticKernels(TorchLoweringStages, TritonStages, yirage.Backend):
     triton_dists: ClassVar[tuple[str, ...]] = ()
     triton_fp64: ClassVar[bool] = False
     later_step: ClassVar[str] = ""
+    collective: ClassVar[str | None] = None
 
     _kernel_path: KernelPath | None = None
     _fallback_logged: bool = False
+
+    def collective_backend(self) -> str | None:
+        """The vendor's collective library as torch.distributed names it (yirage.distributed checks it is there)."""
+        return self.collective
 
     # -- the choice ----------------------------------------------------------------------
     def present(self) -> str:

@@ -16,6 +16,7 @@ class AscendBackend(TorchAdapterBackend):
     adapter = "torch_npu"
     stack = "torch_npu and the CANN toolkit"
     description = "Ascend NPUs (Atlas 300/800, 910B) via torch_npu and CANN"
+    collective = "hccl"  # torch_npu registers HCCL
     triton_name = "triton-ascend"
     triton_install = ("pip install triton-ascend, Huawei's Triton for CANN; or FlagTree's build: "
                       "pip install flagtree==0.4.0+ascend3.2 from the FlagOS index")

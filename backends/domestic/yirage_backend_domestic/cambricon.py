@@ -16,6 +16,7 @@ class CambriconBackend(TorchAdapterBackend):
     adapter = "torch_mlu"
     stack = "torch_mlu and the Cambricon Neuware SDK"
     description = "Cambricon MLUs (MLU370, MLU590) via torch_mlu and Neuware"
+    collective = "cncl"  # torch_mlu registers CNCL
     triton_name = "Cambricon's Triton"
     triton_install = ("the triton of Cambricon's torch_mlu release, whose backend is triton.backends.mlu; or FlagTree "
                       "built with FLAGTREE_BACKEND=cambricon from its triton_v3.2.x branch")

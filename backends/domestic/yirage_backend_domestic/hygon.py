@@ -18,6 +18,7 @@ class HygonBackend(CudaCompatibleBackend):
     needs_hip = True
     stack = "Hygon's PyTorch build on the DTK (ROCm/HIP) stack"
     description = "Hygon DCUs (Z100, K100) through the DTK HIP stack"
+    collective = "nccl"  # a ROCm build of torch serves RCCL under the name nccl
     triton_name = "a ROCm Triton"
     triton_install = ("pip install flagtree==0.4.0+hcu3.0 from the FlagOS index (backend triton.backends.hcu), DTK's "
                       "triton, or a ROCm Triton with its amd backend")

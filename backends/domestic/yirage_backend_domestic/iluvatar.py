@@ -18,6 +18,7 @@ class IluvatarBackend(CudaCompatibleBackend):
     needs_hip = False
     stack = "Iluvatar's PyTorch build on the CoreX SDK"
     description = "Iluvatar CoreX GPUs (BI-V100/V150, MR-V100) through the CoreX CUDA-compatible stack"
+    collective = "nccl"  # Iluvatar's CUDA-compatible torch serves its IXCCL under the name nccl
     triton_name = "Iluvatar's Triton"
     triton_install = ("pip install flagtree==0.4.0+iluvatar3.1 from the FlagOS index (backend "
                       "triton.backends.iluvatar), or the triton of Iluvatar's CoreX SDK")

@@ -18,6 +18,7 @@ class MetaXBackend(CudaCompatibleBackend):
     needs_hip = False
     stack = "MetaX's PyTorch build on the MACA software stack"
     description = "MetaX GPUs (C500, N260) through the MACA CUDA-compatible stack"
+    collective = "nccl"  # MetaX's CUDA-compatible torch serves its MCCL under the name nccl
     triton_name = "MetaX's Triton"
     triton_install = ("the triton of MetaX's MACA release (backend triton.backends.metax), or FlagTree built with "
                       "FLAGTREE_BACKEND=metax")

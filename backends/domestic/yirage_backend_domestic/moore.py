@@ -16,6 +16,7 @@ class MooreBackend(TorchAdapterBackend):
     adapter = "torch_musa"
     stack = "torch_musa and the MUSA toolkit"
     description = "Moore Threads GPUs (MTT S80/S4000) via torch_musa and MUSA"
+    collective = "mccl"  # torch_musa registers MCCL
     triton_name = "Moore Threads' Triton"
     triton_install = ("pip install flagtree==0.4.0+mthreads3.1 from the FlagOS index (backend "
                       "triton.backends.mthreads), or the triton of Moore Threads' MUSA release")
