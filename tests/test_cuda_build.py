@@ -107,6 +107,27 @@ def test_half_and_bfloat16_headers_come_from_the_installed_wheels() -> None:
     compile_cuda(HALVES, "sm_80")  # the headers are found by NVRTC: no CompileError
 
 
+def test_compiling_leaves_the_interpreters_shared_bytes_alone() -> None:
+    """NVRTC writes the log, cubin and PTX into the buffers it is handed. They were ``b" " * size``: an empty log has
+    size 1, and ``b" " * 1`` is CPython's shared one-byte object, so NVRTC's NUL overwrote it and every later space
+    written through a text stream came out as NUL (seen: a test's captured "Optimal config:\x00cpu"). In a child: a
+    corrupted interpreter must not be this one."""
+    code = textwrap.dedent("""
+        import io
+        from yirage_backend_cuda.nvrtc import compile_cuda
+        result = compile_cuda('extern "C" __global__ void k(float* x) { x[0] = 1.0f; }', "sm_80", ptxas="never")
+        assert result.log == "" and result.cubin[:4] == b"\\x7fELF", (result.log, result.cubin[:4])
+        shared = [bytes([i]) for i in range(256)]  # the interpreter's cached one-byte objects
+        out = io.StringIO()
+        print("a", "b", file=out)
+        assert shared == [i.to_bytes(1, "little") for i in range(256)] and " ".encode() == b"\\x20", shared[32]
+        assert out.getvalue() == "a b\\n", repr(out.getvalue())
+        print("ok")
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stdout + run.stderr
+
+
 def test_a_syntax_error_names_its_line() -> None:
     source = 'extern "C" __global__ void k(float* x) {\n    x[0] = 1.0f;\n    x[1] = 2.0f\n}\n'
     with pytest.raises(CompileError) as info:

@@ -178,19 +178,24 @@ def compile_cuda(source: str, arch: str, *, name: str = "kernel.cu", options: tu
         opts = [o.encode() for o in (*DEFAULT_OPTIONS, f"--gpu-architecture={arch}", f"-I{tools.include_dir}",
                                      *options)]
         status, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        # NVRTC writes into the buffers it is given: bytearrays, never bytes. A bytes object is immutable, and
+        # b" " * 1 is the interpreter's shared one-byte object: an empty log (size 1) written into it turned every
+        # later b" " into b"\0" (every space printed through a text stream came out as NUL).
         size = _check(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        buf = b" " * size
+        buf = bytearray(size)
         _check(nvrtc, nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
-        log = buf.rstrip(b"\0").decode(errors="replace")
+        log = bytes(buf).rstrip(b"\0").decode(errors="replace")
         failed = status != nvrtc.nvrtcResult.NVRTC_SUCCESS
         if failed or _diagnostics(log):
             raise _compile_error(source, name, arch, tools, log, failed)
         size = _check(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = b" " * size
-        _check(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        cubin_buf = bytearray(size)
+        _check(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin_buf), "nvrtcGetCUBIN")
+        cubin = bytes(cubin_buf)
         size = _check(nvrtc, nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
-        ptx = b" " * size
-        _check(nvrtc, nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
+        ptx_buf = bytearray(size)
+        _check(nvrtc, nvrtc.nvrtcGetPTX(prog, ptx_buf), "nvrtcGetPTX")
+        ptx = bytes(ptx_buf)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     ptx_text = ptx.rstrip(b"\0").decode()
