@@ -32,7 +32,7 @@ from typing import Any
 
 from yirage.distributed.reference_tp import ReferenceTP
 from yirage.distributed.sharding import RankShard
-from yirage.models.llama import DEFAULT_TASKS, LlamaConfig, ModelError, divisor_near
+from yirage.models.llama import DEFAULT_TASKS, LlamaConfig, ModelError, decoder_blocks, divisor_near
 
 
 class TPModel:
@@ -117,29 +117,8 @@ def build_tp_decoder(model: TPModel, step: Any, tokens: Any, backend: Any = None
     zeros = None if model.rank == 0 else att(torch.zeros(batch, c.hidden), "zero_residual")
     x = pk.new_tensor((batch, c.hidden), name="x0")
     pk.embed_layer(pk.tokens_tensor, att(shard.embed, "embed"), x, grid_dim=divisor_near(c.hidden, tasks))
-    qkv_cols = c.kv_heads * (c.group + 2) * c.head_dim
-    for i, blk in enumerate(shard.blocks):
-        qkv = pk.new_tensor((batch, qkv_cols), name=f"qkv{i}")
-        bias = att(blk["qkv_bias"], f"qkv_bias{i}") if "qkv_bias" in blk else None
-        pk.rmsnorm_linear_layer(x, att(blk["ln1"], f"ln1_{i}"), att(blk["qkv"], f"wqkv{i}"), qkv,
-                                grid_dim=divisor_near(qkv_cols, tasks), eps=c.eps, bias=bias)
-        attn = pk.new_tensor((batch, c.heads * c.head_dim), name=f"attn{i}")
-        pk.attention_layer(qkv, att(ref.k_cache[i], f"k_cache{i}"), att(ref.v_cache[i], f"v_cache{i}"),
-                           cos_pos_embed=cos, sin_pos_embed=sin, output=attn)
-        part = pk.new_tensor((batch, c.hidden), name=f"o_partial{i}")
-        pk.linear_with_residual_layer(attn, att(blk["o"], f"wo{i}"), x if zeros is None else zeros, part,
-                                      grid_dim=divisor_near(c.hidden, tasks))
-        x_mid = pk.new_tensor((batch, c.hidden), name=f"x{i}_mid")
-        pk.allreduce_layer(part, x_mid, label=f"layer {i} o_proj all-reduce")
-        gu = pk.new_tensor((batch, 2 * c.intermediate), name=f"gate_up{i}")
-        pk.rmsnorm_linear_layer(x_mid, att(blk["ln2"], f"ln2_{i}"), att(blk["gate_up"], f"wgu{i}"), gu,
-                                grid_dim=divisor_near(2 * c.intermediate, tasks), eps=c.eps)
-        part = pk.new_tensor((batch, c.hidden), name=f"down_partial{i}")
-        pk.silu_mul_linear_with_residual_layer(gu, att(blk["down"], f"wdown{i}"),
-                                               x_mid if zeros is None else zeros, part,
-                                               grid_dim=divisor_near(c.hidden, tasks))
-        x = pk.new_tensor((batch, c.hidden), name=f"x{i + 1}")
-        pk.allreduce_layer(part, x, label=f"layer {i} down_proj all-reduce")
+    x = decoder_blocks(pk, c, shard.blocks, ref.k_cache, ref.v_cache, cos, sin, x, tasks,
+                       reduce=lambda part, out, label: pk.allreduce_layer(part, out, label=label), zeros=zeros)
     v0, v1 = shard.vocab_range
     local = pk.new_tensor((batch, v1 - v0), name="local_logits")
     pk.rmsnorm_linear_layer(x, att(shard.norm, "final_norm"), att(shard.lm_head, "lm_head"), local,

@@ -285,6 +285,53 @@ def dense(weight: Any) -> Any:
 DEFAULT_TASKS = 16
 
 
+def decoder_blocks(pk: Any, c: LlamaConfig, blocks: list[dict[str, Any]], k_cache: list[Any], v_cache: list[Any],
+                   cos: Any, sin: Any, x: Any, tasks: int, reduce: Any = None, zeros: Any = None) -> Any:
+    """Every decoder layer of a decode step on the PersistentKernel ``pk``, from the embedded tokens ``x`` to the
+    last hidden state (returned); ``c`` holds the head counts of the weights in ``blocks``.
+
+    Tensor parallel (yirage.distributed.tp_model): with ``reduce(partial, out, label)`` the o and down
+    projections are row-parallel partial sums that ``reduce`` adds up over the ranks, and the residual is added
+    before the sum by exactly one rank: the one whose ``zeros`` is None (the others add ``zeros``).
+    """
+    att = pk.attach_input
+    batch = x.dims[0]
+    qkv_cols = c.kv_heads * (c.group + 2) * c.head_dim
+    for i, blk in enumerate(blocks):
+        qkv = pk.new_tensor((batch, qkv_cols), name=f"qkv{i}")
+        bias = att(blk["qkv_bias"], f"qkv_bias{i}") if "qkv_bias" in blk else None
+        pk.rmsnorm_linear_layer(x, att(blk["ln1"], f"ln1_{i}"), att(blk["qkv"], f"wqkv{i}"), qkv,
+                                grid_dim=divisor_near(qkv_cols, tasks), eps=c.eps, bias=bias)
+        attn = pk.new_tensor((batch, c.heads * c.head_dim), name=f"attn{i}")
+        pk.attention_layer(qkv, att(k_cache[i], f"k_cache{i}"), att(v_cache[i], f"v_cache{i}"),
+                           cos_pos_embed=cos, sin_pos_embed=sin, output=attn)
+        x_mid = _row_parallel(pk, pk.linear_with_residual_layer, attn, att(blk["o"], f"wo{i}"), x, tasks,
+                              (f"x{i}_mid", f"o_partial{i}", f"layer {i} o_proj all-reduce"), reduce, zeros)
+        gu = pk.new_tensor((batch, 2 * c.intermediate), name=f"gate_up{i}")
+        pk.rmsnorm_linear_layer(x_mid, att(blk["ln2"], f"ln2_{i}"), att(blk["gate_up"], f"wgu{i}"), gu,
+                                grid_dim=divisor_near(2 * c.intermediate, tasks), eps=c.eps)
+        x = _row_parallel(pk, pk.silu_mul_linear_with_residual_layer, gu, att(blk["down"], f"wdown{i}"), x_mid,
+                          tasks, (f"x{i + 1}", f"down_partial{i}", f"layer {i} down_proj all-reduce"), reduce, zeros)
+    return x
+
+
+def _row_parallel(pk: Any, layer: Any, inp: Any, weight: Any, residual: Any, tasks: int, names: tuple[str, str, str],
+                  reduce: Any, zeros: Any) -> Any:
+    """``layer(inp, weight, residual)`` into a new (batch, hidden) tensor; tensor parallel: into a partial sum,
+    then ``reduce`` (see decoder_blocks). ``names``: the output's name, the partial's, the collective's label."""
+    hidden = weight.dims[0]
+    shape = (residual.dims[0], hidden)
+    if reduce is None:
+        out = pk.new_tensor(shape, name=names[0])
+        layer(inp, weight, residual, out, grid_dim=divisor_near(hidden, tasks))
+        return out
+    part = pk.new_tensor(shape, name=names[1])
+    layer(inp, weight, residual if zeros is None else zeros, part, grid_dim=divisor_near(hidden, tasks))
+    out = pk.new_tensor(shape, name=names[0])
+    reduce(part, out, names[2])
+    return out
+
+
 def divisor_near(n: int, target: int) -> int:
     """The divisor of ``n`` closest to ``target`` (task counts must split columns evenly)."""
     divisors = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
@@ -486,24 +533,7 @@ class LlamaModel:
         cos, sin = att(self.cos, "rope_cos"), att(self.sin, "rope_sin")
         x = pk.new_tensor((batch, c.hidden), name="x0")
         pk.embed_layer(pk.tokens_tensor, att(self.embed, "embed"), x, grid_dim=divisor_near(c.hidden, tasks))
-        qkv_cols = c.kv_heads * (c.group + 2) * c.head_dim
-        for i, blk in enumerate(self.blocks):
-            qkv = pk.new_tensor((batch, qkv_cols), name=f"qkv{i}")
-            bias = att(blk["qkv_bias"], f"qkv_bias{i}") if "qkv_bias" in blk else None
-            pk.rmsnorm_linear_layer(x, att(blk["ln1"], f"ln1_{i}"), att(blk["qkv"], f"wqkv{i}"), qkv,
-                                    grid_dim=divisor_near(qkv_cols, tasks), eps=c.eps, bias=bias)
-            attn = pk.new_tensor((batch, c.heads * c.head_dim), name=f"attn{i}")
-            pk.attention_layer(qkv, att(self.k_cache[i], f"k_cache{i}"), att(self.v_cache[i], f"v_cache{i}"),
-                               cos_pos_embed=cos, sin_pos_embed=sin, output=attn)
-            x_mid = pk.new_tensor((batch, c.hidden), name=f"x{i}_mid")
-            pk.linear_with_residual_layer(attn, att(blk["o"], f"wo{i}"), x, x_mid,
-                                          grid_dim=divisor_near(c.hidden, tasks))
-            gu = pk.new_tensor((batch, 2 * c.intermediate), name=f"gate_up{i}")
-            pk.rmsnorm_linear_layer(x_mid, att(blk["ln2"], f"ln2_{i}"), att(blk["gate_up"], f"wgu{i}"), gu,
-                                    grid_dim=divisor_near(2 * c.intermediate, tasks), eps=c.eps)
-            x = pk.new_tensor((batch, c.hidden), name=f"x{i + 1}")
-            pk.silu_mul_linear_with_residual_layer(gu, att(blk["down"], f"wdown{i}"), x_mid, x,
-                                                   grid_dim=divisor_near(c.hidden, tasks))
+        x = decoder_blocks(pk, c, self.blocks, self.k_cache, self.v_cache, cos, sin, x, tasks)
         logits = pk.new_tensor((batch, c.vocab), name="logits")
         lm_head = att(self.lm_head, "lm_head") if self.lm_head is not self.embed else pk.tensors["embed"]
         pk.rmsnorm_linear_layer(x, att(self.norm, "final_norm"), lm_head, logits,
