@@ -32,7 +32,7 @@ from typing import Any
 
 from yirage.distributed.reference_tp import ReferenceTP
 from yirage.distributed.sharding import RankShard
-from yirage.models.llama import DEFAULT_TASKS, LlamaConfig, ModelError, decoder_blocks, divisor_near
+from yirage.models.llama import DEFAULT_TASKS, LlamaConfig, ModelError, decoder_blocks, divisor_near, pick_and_compile
 
 
 class TPModel:
@@ -125,12 +125,7 @@ def build_tp_decoder(model: TPModel, step: Any, tokens: Any, backend: Any = None
                             grid_dim=divisor_near(v1 - v0, 2 * tasks), eps=c.eps)
     logits = pk.new_tensor((batch, full.vocab), name="logits")
     pk.allgather_layer(local, logits, label="lm_head logits all-gather", shard_width=plan.vocab_per_rank)
-    picked = pk.new_tensor((batch, 1), dtype=torch.int64, name="next_token")
-    if sampling:
-        pk.sampling_layer(logits, picked, **sampling)
-    else:
-        pk.argmax_layer(logits, picked)
-    return pk.compile()
+    return pick_and_compile(pk, logits, sampling)
 
 
 def open_tp_model(model_path: Any, tp: int, backend: Any, dtype: Any = None) -> tuple[TPModel, Any]:

@@ -315,6 +315,18 @@ def decoder_blocks(pk: Any, c: LlamaConfig, blocks: list[dict[str, Any]], k_cach
     return x
 
 
+def pick_and_compile(pk: Any, logits: Any, sampling: dict[str, Any] | None) -> Any:
+    """The decode step's last layer (sampling with ``sampling``'s parameters, else greedy), then compile ``pk``."""
+    import torch
+
+    picked = pk.new_tensor((logits.dims[0], 1), dtype=torch.int64, name="next_token")
+    if sampling:
+        pk.sampling_layer(logits, picked, **sampling)
+    else:
+        pk.argmax_layer(logits, picked)
+    return pk.compile()
+
+
 def _row_parallel(pk: Any, layer: Any, inp: Any, weight: Any, residual: Any, tasks: int, names: tuple[str, str, str],
                   reduce: Any, zeros: Any) -> Any:
     """``layer(inp, weight, residual)`` into a new (batch, hidden) tensor; tensor parallel: into a partial sum,
@@ -516,7 +528,6 @@ class LlamaModel:
         ``tasks``: tasks per projection (the LM head gets twice as many); None: the ``tasks_per_layer`` of the
         kernel's configuration (the backend's ``default_config`` or a saved one), else 16.
         """
-        import torch
 
         from yirage.persistent.kernel import PersistentKernel
 
@@ -538,9 +549,4 @@ class LlamaModel:
         lm_head = att(self.lm_head, "lm_head") if self.lm_head is not self.embed else pk.tensors["embed"]
         pk.rmsnorm_linear_layer(x, att(self.norm, "final_norm"), lm_head, logits,
                                 grid_dim=divisor_near(c.vocab, 2 * tasks), eps=c.eps)
-        picked = pk.new_tensor((batch, 1), dtype=torch.int64, name="next_token")
-        if sampling:
-            pk.sampling_layer(logits, picked, **sampling)
-        else:
-            pk.argmax_layer(logits, picked)
-        return pk.compile()
+        return pick_and_compile(pk, logits, sampling)
