@@ -10,8 +10,11 @@ saved as safetensors for yirage; HF eager runs the transformers model itself. Ba
 ``--tokens`` new tokens, 2 threads each (the machine's physical cores).
 
 Peers take turns round by round (drift hits them alike); each figure is min / median / max ms per token over
-``--rounds``. The bound is weight bytes read per token / the best measured read bandwidth (torch sum and a
-numba prange sum over 256 MiB, measured in this run); ratios compare medians within one model and dtype.
+``--rounds``. The bound is weight bytes read per token / the measured read bandwidth (the faster of a torch
+sum and a numba prange sum over 256 MiB). The host's bandwidth drifts by 20-50% within minutes on a shared
+machine, so the bandwidth is probed again right before every peer's run and once after the last: each run's
+share of the bound uses the faster of the two probes around it, and ``share`` is the median of those shares.
+Ratios compare medians within one model and dtype.
 ``--busy N`` repeats every round with N competing CPU-bound processes running and reports each peer's
 slowdown against its own quiet median. q8_0 / q4_0: yirage quantizes the float weights on load with ggml's
 quantizers, so it and llama.cpp (its GGUF written by the gguf package) decode the same blocks.
@@ -100,6 +103,26 @@ def read_bandwidth() -> dict[str, float]:
             out[name] = max(out[name], x.numel() * 4 / statistics.median(times) / 1e9)
     out["best"] = max(out.values())
     return out
+
+
+_probe_buffer: list[torch.Tensor] = []
+
+
+def probe_bandwidth() -> float:
+    """GB/s of one quick streaming read probe (the faster of a torch sum and a numba prange sum over the same
+    256 MiB, best of 3 each: ~0.1 s), taken between runs so each run's bound reflects the host's bandwidth then."""
+    if not _probe_buffer:
+        _probe_buffer.append(torch.ones(64 * 2**20))
+    x = _probe_buffer[0]
+    arr, threads = x.numpy(), max(1, torch.get_num_threads())
+    best = 0.0
+    for fn in (x.sum, lambda: _prange_sum(arr, threads)):
+        fn()
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            best = max(best, x.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    return best
 
 
 def weight_bytes(config: Any, dtype: str) -> float:
@@ -215,22 +238,42 @@ def _cast(model: Any, dtype: Any) -> Any:
     return _casts[key]
 
 
-def measure(peers: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
-    """Each peer once per round, in turn."""
-    samples: dict[str, list[float]] = defaultdict(list)
+@dataclass
+class Samples:
+    """Each peer's ms/token per round, and the read bandwidth probed around each of its runs."""
+
+    ms: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    gb_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # max(probe before, after)
+
+
+def measure(peers: dict[str, Callable[[], float]], rounds: int,
+            probe: Callable[[], float] = probe_bandwidth) -> Samples:
+    """Each peer once per round, in turn, with a bandwidth probe between every two runs."""
+    samples = Samples()
+    before = probe()
     for r in range(rounds):
         for name, run in peers.items():
-            samples[name].append(run())
-            log(f"    round {r + 1}/{rounds} {name}: {samples[name][-1]:.2f} ms/token")
-    return dict(samples)
+            ms = run()
+            after = probe()
+            samples.ms[name].append(ms)
+            samples.gb_s[name].append(max(before, after))
+            log(f"    round {r + 1}/{rounds} {name}: {ms:.2f} ms/token (read bandwidth around it: {before:.1f} "
+                f"then {after:.1f} GB/s)")
+            before = after
+    return samples
 
 
-def summarize(samples: dict[str, list[float]], bound_ms: float) -> dict[str, dict[str, float]]:
+def summarize(samples: Samples, weight_gb: float) -> dict[str, dict[str, float]]:
+    """min / median / max ms per token, and the median share of the bound measured run by run (``weight_gb``:
+    GB of weights one token reads)."""
     out = {}
-    for name, ms in samples.items():
+    for name, ms in samples.ms.items():
         med = statistics.median(ms)
+        bw = samples.gb_s[name]
+        shares = [weight_gb / gb_s * 1e3 / t for gb_s, t in zip(bw, ms, strict=True)]
         out[name] = {"min": min(ms), "median": med, "max": max(ms), "tokens_per_s": 1e3 / med,
-                     "share_of_bound": bound_ms / med}
+                     "share_of_bound": statistics.median(shares), "bandwidth_min": min(bw),
+                     "bandwidth_max": max(bw)}
     for name, row in out.items():
         for peer, key in ((LLAMA, "vs_llama_cpp"), (HF, "vs_hf_eager")):
             if peer in out and peer != name:
@@ -334,11 +377,12 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in args.dtypes:
             log(f"{name} {dtype}:")
             peers = peers_for(model, dtype, args, workdir)
-            bound_ms = weight_bytes(model.hf.config, dtype) / bandwidth["best"] / 1e6
-            row: dict[str, Any] = {"bound_ms": bound_ms, "quiet": summarize(measure(peers, args.rounds), bound_ms)}
+            weight_gb = weight_bytes(model.hf.config, dtype) / 1e9
+            row: dict[str, Any] = {"bound_ms": weight_gb / bandwidth["best"] * 1e3, "weight_gb": weight_gb,
+                                   "quiet": summarize(measure(peers, args.rounds), weight_gb)}
             if args.busy:
                 with busy(args.busy):
-                    row["busy"] = summarize(measure(peers, args.rounds), bound_ms)
+                    row["busy"] = summarize(measure(peers, args.rounds), weight_gb)
                 for peer, stats in row["busy"].items():
                     stats["slowdown"] = stats["median"] / row["quiet"][peer]["median"]
             entry["dtypes"][dtype] = row
@@ -363,21 +407,26 @@ def print_report(results: dict[str, Any]) -> None:
     print(f"decode: batch 1, prompt {results['prompt_len']}, {results['tokens']} new tokens, {results['rounds']} "
           f"rounds, {results['threads']} threads each; read bandwidth {bw['best']:.1f} GB/s (torch sum "
           f"{bw['torch_sum']:.1f}, numba prange sum {bw['numba_prange_sum']:.1f}); torch {results['torch']}")
-    print("ms/token min / median / max; share = bound / median; vs = peer median / this median (> 1: this faster)")
+    print("ms/token min / median / max; share = median over runs of bound / ms, the bound from the bandwidth probed "
+          "around each run (range in 'probe GB/s'); vs = peer median / this median (> 1: this faster)")
     for name, entry in results["models"].items():
         print(f"\n== {name}: {entry['config']} ==")
-        head = f"{'dtype':<6}{'peer':<11}{'min':>8}{'median':>8}{'max':>8}{'share':>7}{'vs llama.cpp':>14}{'vs HF':>8}"
+        head = (f"{'dtype':<6}{'peer':<11}{'min':>8}{'median':>8}{'max':>8}{'share':>7}{'probe GB/s':>12}"
+                f"{'vs llama.cpp':>14}{'vs HF':>8}")
         busy = results["busy"]
         print(head + (f"{'busy med':>10}{'slowdown':>10}" if busy else ""))
         for dtype, row in entry["dtypes"].items():
             for peer, s in row["quiet"].items():
+                probe = f"{s['bandwidth_min']:.1f}-{s['bandwidth_max']:.1f}"
                 line = (f"{dtype:<6}{peer:<11}{s['min']:>8.2f}{s['median']:>8.2f}{s['max']:>8.2f}"
-                        f"{s['share_of_bound']:>7.0%}{_ratio(s.get('vs_llama_cpp')):>14}{_ratio(s.get('vs_hf_eager')):>8}")
+                        f"{s['share_of_bound']:>7.0%}{probe:>12}{_ratio(s.get('vs_llama_cpp')):>14}"
+                        f"{_ratio(s.get('vs_hf_eager')):>8}")
                 if busy:
                     b = row["busy"][peer]
                     line += f"{b['median']:>10.2f}{b['slowdown']:>9.2f}x"
                 print(line)
-            print(f"{'':<6}bound {row['bound_ms']:.2f} ms/token")
+            print(f"{'':<6}bound {row['bound_ms']:.2f} ms/token at the first probe's {bw['best']:.1f} GB/s "
+                  f"({row['weight_gb'] * 1e3:.0f} MB of weights per token)")
         for key in (k for k in entry if k.startswith("greedy_tokens_match_hf_")):
             dtype = key.removeprefix("greedy_tokens_match_hf_")
             against = "on the same dequantized weights" if dtype in QUANT else "in f32"

@@ -25,6 +25,7 @@ from numba.core.registry import CPUDispatcher
 from yirage.persistent.specs import LAYER_SPECS, FloatCol, IntCol, kind_code, layout_fingerprint
 from yirage_backend_cpu import pk_comm
 from yirage_backend_cpu.atomics import atomic_store
+from yirage_backend_cpu.float_dot import CHUNK, dot_bf16_row, dot_f16_row, dot_f32_row
 from yirage_backend_cpu.kernel_lib import FASTMATH, as_pointer, fexp, fmax, fsilu, half_to_float, racc, rfma
 from yirage_backend_cpu.pk_comm import communicate
 from yirage_backend_cpu.pk_quant import dequantize_row, finish_rows, is_quantized, linear_q, row_bytes
@@ -106,46 +107,45 @@ def load(address, index, dtype):  # type: ignore[no-untyped-def]
 # -- the GEMV tile: out[b, n] = x[b] . W[n] (+ bias[n]) (+ residual[b, n]) ------------------------
 
 
-# linear_f32 and linear_u16 are two copies on purpose: passing the widening function as an
-# argument would make numba's compiled code uncacheable (it treats dispatchers as dynamic globals).
-# Both walk W one row at a time: a task's rows are one contiguous block, so the loads form a single
-# sequential stream, which the hardware prefetcher follows at the full read bandwidth. A tile of 4
-# rows (4 interleaved streams, fewer horizontal sums) measured 1.4-2.1x slower at K = 512-1536 on the
-# W6 lm_head shape (20 GB/s against 33-37 GB/s for one row at a time, a torch sum reading 33 GB/s).
-# The row (K elements) stays in L1 while the batch's rows of x are dotted with it.
+# Both bodies walk W one row at a time: a task's rows are one contiguous block, so the loads form a single
+# sequential stream. A tile of 4 rows (4 interleaved streams, fewer horizontal sums) measured 1.4-2.1x
+# slower at K = 512-1536 on the W6 lm_head shape (20 GB/s against 33-37 GB/s for one row at a time, a torch
+# sum reading 33 GB/s). The row (K elements) stays in L1 while the batch's rows of x are dotted with it.
+# The dot over whole lines is float_dot's (prefetching ahead as it reads, for the first batch row), the
+# last K % 32 values a scalar loop.
 
 
 @njit(**OPTS)
 def linear_f32(xs, batch, k, w_addr, n0, n1, out, out_cols, res, bias):  # type: ignore[no-untyped-def]
     w = f32s(w_addr, n1 * k)
-    kk = U(k)
-    for nn in range(U(n0), U(n1)):
-        c0 = w[nn * kk:][:k]
-        for b in range(U(batch)):
-            x = xs[b * kk:][:k]
-            s0 = F(0)
-            for i in range(kk):
-                s0 = rfma(s0, x[i], c0[i])
-            out[b * U(out_cols) + nn] = s0
+    chunks = k // CHUNK
+    limit = w_addr + n1 * k * 4
+    x0 = xs.ctypes.data
+    for nn in range(n0, n1):
+        row = w_addr + nn * k * 4
+        for b in range(batch):
+            s0 = dot_f32_row(x0 + b * k * 4, row, chunks, limit if b == 0 else 0)
+            for i in range(chunks * CHUNK, k):
+                s0 += xs[b * k + i] * w[nn * k + i]
+            out[U(b) * U(out_cols) + U(nn)] = s0
     finish_rows(out, out_cols, batch, n0, n1, res, bias)
 
 
 @njit(**OPTS)
 def linear_u16(xs, batch, k, w_addr, n0, n1, out, out_cols, res, bias, is_bf16):  # type: ignore[no-untyped-def]
     w = u16s(w_addr, n1 * k)
-    kk = U(k)
-    for nn in range(U(n0), U(n1)):
-        c0 = w[nn * kk:][:k]
-        for b in range(U(batch)):
-            x = xs[b * kk:][:k]
-            s0 = F(0)
-            if is_bf16:
-                for i in range(kk):
-                    s0 = rfma(s0, x[i], bf16(c0[i]))
-            else:
-                for i in range(kk):
-                    s0 = rfma(s0, x[i], f16(c0[i]))
-            out[b * U(out_cols) + nn] = s0
+    chunks = k // CHUNK
+    limit = w_addr + n1 * k * 2
+    x0 = xs.ctypes.data
+    for nn in range(n0, n1):
+        row = w_addr + nn * k * 2
+        for b in range(batch):
+            x = x0 + b * k * 4
+            ahead = limit if b == 0 else 0
+            s0 = dot_bf16_row(x, row, chunks, ahead) if is_bf16 else dot_f16_row(x, row, chunks, ahead)
+            for i in range(chunks * CHUNK, k):
+                s0 += xs[b * k + i] * (bf16(w[nn * k + i]) if is_bf16 else f16(w[nn * k + i]))
+            out[U(b) * U(out_cols) + U(nn)] = s0
     finish_rows(out, out_cols, batch, n0, n1, res, bias)
 
 
