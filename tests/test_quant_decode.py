@@ -341,7 +341,8 @@ def test_every_half_scale_widens_exactly(f16c, groups, monkeypatch) -> None:
             lo, hi, sums = (xq & 255).astype(np.uint8), (xq >> 8).astype(np.int8), np.zeros(1, np.int32)
             for g in range(out.shape[0] // 8):
                 quant_group.dot_q4_group(lo.ctypes.data, hi.ctypes.data, sums.ctypes.data, dx.ctypes.data,
-                                         packed.ctypes.data + g * 144, 1, out.ctypes.data + g * 32)
+                                         packed.ctypes.data + g * 144, 1, out.ctypes.data + g * 32,
+                                         packed.ctypes.data + packed.nbytes)
 
         blocks = np.full((1 << 16, 18), 0x99, np.uint8)  # every Q4_0 value 9 - 8 = +1
         blocks[:, :2] = bits.view(np.uint8).reshape(-1, 2)
@@ -382,10 +383,11 @@ def test_groups_take_int16_x_exactly_through_both_byte_dots(vnni, fmt, monkeypat
         for g in range(n // 8):
             if q8:
                 quant_group.dot_q8_group(xlo.ctypes.data, xhi.ctypes.data, sums.ctypes.data, dx.ctypes.data,
-                                         packed.ctypes.data + g * nb * 272, nb, out.ctypes.data + g * 32)
+                                         packed.ctypes.data + g * nb * 272, nb, out.ctypes.data + g * 32, 0)
             else:
                 quant_group.dot_q4_group(xlo.ctypes.data, xhi.ctypes.data, sums.ctypes.data, dx.ctypes.data,
-                                         packed.ctypes.data + g * nb * 144, nb, out.ctypes.data + g * 32)
+                                         packed.ctypes.data + g * nb * 144, nb, out.ctypes.data + g * 32,
+                                         packed.ctypes.data + packed.nbytes)
         return ok
 
     gen = torch.Generator().manual_seed(SEED)

@@ -124,14 +124,17 @@ def linear_groups(xs, batch, k, w_addr, dtype, n0, n1, out, out_cols, res, bias,
     sx0 = dx0 + batch * nb * 4
     eight = work[batch * k - GROUP:batch * k]  # past them (2.25 of the 4 bytes per value; k >= 32)
     if quantize_x16_split(xs.ctypes.data, batch * nb, lo0, hi0, sx0, dx0) == 1:
-        for g in range(n0 // GROUP, (n1 + GROUP - 1) // GROUP):
+        gb = nb * (Q8_GROUP_BYTES if dtype == Q8_0G else Q4_GROUP_BYTES)
+        g1 = (n1 + GROUP - 1) // GROUP
+        for g in range(n0 // GROUP, g1):
             for b in range(batch):
+                ahead = w_addr + g1 * gb if b == 0 else 0  # prefetch while reading the first batch row
                 if dtype == Q8_0G:
-                    dot_q8_group(lo0 + b * k, hi0 + b * k, sx0 + b * nb * 4, dx0 + b * nb * 4,
-                                 w_addr + g * nb * Q8_GROUP_BYTES, nb, eight.ctypes.data)
+                    dot_q8_group(lo0 + b * k, hi0 + b * k, sx0 + b * nb * 4, dx0 + b * nb * 4, w_addr + g * gb, nb,
+                                 eight.ctypes.data, ahead)
                 else:
-                    dot_q4_group(lo0 + b * k, hi0 + b * k, sx0 + b * nb * 4, dx0 + b * nb * 4,
-                                 w_addr + g * nb * Q4_GROUP_BYTES, nb, eight.ctypes.data)
+                    dot_q4_group(lo0 + b * k, hi0 + b * k, sx0 + b * nb * 4, dx0 + b * nb * 4, w_addr + g * gb, nb,
+                                 eight.ctypes.data, ahead)
                 for r in range(max(n0 - g * GROUP, 0), min(n1 - g * GROUP, GROUP)):
                     out[U(b) * U(out_cols) + U(g * GROUP + r)] = eight[r]
         finish_rows(out, out_cols, batch, n0, n1, res, bias)

@@ -37,6 +37,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from yirage_backend_cpu import quant_dot
+from yirage_backend_cpu.float_dot import prefetch_ahead
 from yirage_backend_cpu.quant_dot import F32, I8, I16, I32, I64, _host_has, _ints, _pointer, _scale, _splat
 
 GROUP = 8
@@ -127,7 +128,7 @@ def quantize_x16_split(typingctx, x_addr, blocks, xlo_addr, xhi_addr, sxhi_addr,
 
 
 def _group_dot_split(builder: ir.IRBuilder, x: list[ir.Value], group: ir.Value, blocks: ir.Value,
-                     out: ir.Value, q8: bool) -> None:
+                     out: ir.Value, q8: bool, limit: ir.Value) -> None:
     """out[0..8) = the 8 rows of ``group`` dotted with x as quantize_x16_split wrote it (xlo, xhi, sxhi, dx).
 
     Q4_0 (``q8`` false): chunk t's nibbles n are elements 4t.. and 16+4t.. of the rows: lo by (n - 8), and n
@@ -144,7 +145,9 @@ def _group_dot_split(builder: ir.IRBuilder, x: list[ir.Value], group: ir.Value, 
     builder.position_at_end(loop)
     j = builder.phi(I64)
     acc = builder.phi(V8F)
-    block = builder.gep(group, [builder.mul(j, ir.Constant(I64, Q8_GROUP_BYTES if q8 else Q4_GROUP_BYTES))])
+    stride = Q8_GROUP_BYTES if q8 else Q4_GROUP_BYTES
+    block = builder.gep(group, [builder.mul(j, ir.Constant(I64, stride))])
+    prefetch_ahead(builder, builder.ptrtoint(block, I64), stride, limit)
     at = builder.mul(j, ir.Constant(I64, 32))
     lo4 = builder.bitcast(builder.gep(xlo, [at]), I32.as_pointer())  # 4 bytes of x each
     hi4 = builder.bitcast(builder.gep(xhi, [at]), I32.as_pointer())
@@ -189,8 +192,8 @@ def _group_dot_split(builder: ir.IRBuilder, x: list[ir.Value], group: ir.Value, 
 
 
 def _group_intrinsic(q8: bool):  # type: ignore[no-untyped-def]
-    def dot(typingctx, xlo_addr, xhi_addr, sxhi_addr, dx_addr, group_addr, blocks, out_addr):  # type: ignore[no-untyped-def]
-        if not _ints(xlo_addr, xhi_addr, sxhi_addr, dx_addr, group_addr, blocks, out_addr):
+    def dot(typingctx, xlo_addr, xhi_addr, sxhi_addr, dx_addr, group_addr, blocks, out_addr, limit):  # type: ignore[no-untyped-def]
+        if not _ints(xlo_addr, xhi_addr, sxhi_addr, dx_addr, group_addr, blocks, out_addr, limit):
             return None
 
         def codegen(context, builder, signature, values):  # type: ignore[no-untyped-def]
@@ -198,14 +201,16 @@ def _group_intrinsic(q8: bool):  # type: ignore[no-untyped-def]
             x = [_pointer(builder, context, values[i], k[i], to) for i, to in ((0, I8), (1, I8), (2, I32), (3, F32))]
             _group_dot_split(builder, x, _pointer(builder, context, values[4], k[4], I8),
                              context.cast(builder, values[5], k[5], types.int64),
-                             _pointer(builder, context, values[6], k[6], F32), q8)
+                             _pointer(builder, context, values[6], k[6], F32), q8,
+                             context.cast(builder, values[7], k[7], types.int64))
             return context.get_dummy_value()
 
-        return types.none(xlo_addr, xhi_addr, sxhi_addr, dx_addr, group_addr, blocks, out_addr), codegen
+        return types.none(xlo_addr, xhi_addr, sxhi_addr, dx_addr, group_addr, blocks, out_addr, limit), codegen
     return intrinsic(dot)
 
 
-#: dot_q4_group(xlo, xhi, sxhi, dx, group, blocks, out): writes 8 float32 at ``out``, the rows of a Q4_0 group
-#: (repack_q4_0) dotted with x as quantize_x16_split wrote it; dot_q8_group the same for Q8_0 (repack_q8_0)
+#: dot_q4_group(xlo, xhi, sxhi, dx, group, blocks, out, limit): writes 8 float32 at ``out``, the rows of a Q4_0
+#: group (repack_q4_0) dotted with x as quantize_x16_split wrote it; dot_q8_group the same for Q8_0 (repack_q8_0).
+#: Each block read asks for the one float_dot.AHEAD bytes on, below the address ``limit`` (0: none)
 dot_q4_group = _group_intrinsic(q8=False)
 dot_q8_group = _group_intrinsic(q8=True)
