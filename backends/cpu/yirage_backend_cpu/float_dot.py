@@ -38,7 +38,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from yirage_backend_cpu.quant_dot import F32, I8, I16, I32, I64, _hsum, _ints, _pointer
+from yirage_backend_cpu.quant_dot import F32, I8, I16, I32, I64, _hsum, _ints, _pointer, counted_loop
 
 CHUNK = 32  # values per iteration: one 64-byte line of 16-bit weights, two of float32
 AHEAD = 4096  # bytes between a line read and the line prefetched (measurements above: 2-4 KB best)
@@ -84,31 +84,15 @@ def _dot(builder: ir.IRBuilder, x: ir.Value, w: ir.Value, chunks: ir.Value, limi
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32F, [V32F, V32F, V32F]),
                                          "llvm.fmuladd.v32f32")
     w_base = builder.ptrtoint(w, I64)
-    zero = ir.Constant(V32F, [0.0] * CHUNK)
-    entry = builder.block
-    loop = builder.append_basic_block("u16dot.loop")
-    done = builder.append_basic_block("u16dot.done")
-    builder.cbranch(builder.icmp_signed(">", chunks, ir.Constant(I64, 0)), loop, done)
 
-    builder.position_at_end(loop)
-    j = builder.phi(I64)
-    acc = builder.phi(V32F)
-    offset = builder.mul(j, ir.Constant(I64, CHUNK))
-    prefetch_ahead(builder, builder.add(w_base, builder.mul(offset, ir.Constant(I64, size))), CHUNK * size, limit)
-    xs = builder.load(builder.bitcast(builder.gep(x, [offset]), V32F.as_pointer()), align=4)
-    new = builder.call(fma, [xs, _load(builder, w, offset, kind), acc])
-    nxt = builder.add(j, ir.Constant(I64, 1))
-    tail = builder.block
-    j.add_incoming(ir.Constant(I64, 0), entry)
-    j.add_incoming(nxt, tail)
-    acc.add_incoming(zero, entry)
-    acc.add_incoming(new, tail)
-    builder.cbranch(builder.icmp_signed("<", nxt, chunks), loop, done)
+    def body(builder: ir.IRBuilder, j: ir.Value, acc: list[ir.Value]) -> list[ir.Value]:
+        offset = builder.mul(j, ir.Constant(I64, CHUNK))
+        prefetch_ahead(builder, builder.add(w_base, builder.mul(offset, ir.Constant(I64, size))), CHUNK * size,
+                       limit)
+        xs = builder.load(builder.bitcast(builder.gep(x, [offset]), V32F.as_pointer()), align=4)
+        return [builder.call(fma, [xs, _load(builder, w, offset, kind), acc[0]])]
 
-    builder.position_at_end(done)
-    total = builder.phi(V32F)
-    total.add_incoming(zero, entry)
-    total.add_incoming(new, tail)
+    (total,) = counted_loop(builder, chunks, [ir.Constant(V32F, [0.0] * CHUNK)], body, "fdot")
     return _hsum(builder, total)
 
 

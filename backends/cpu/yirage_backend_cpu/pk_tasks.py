@@ -107,7 +107,7 @@ def load(address, index, dtype):  # type: ignore[no-untyped-def]
 # -- the GEMV tile: out[b, n] = x[b] . W[n] (+ bias[n]) (+ residual[b, n]) ------------------------
 
 
-# Both bodies walk W one row at a time: a task's rows are one contiguous block, so the loads form a single
+# linear_float walks W one row at a time: a task's rows are one contiguous block, so the loads form a single
 # sequential stream. A tile of 4 rows (4 interleaved streams, fewer horizontal sums) measured 1.4-2.1x
 # slower at K = 512-1536 on the W6 lm_head shape (20 GB/s against 33-37 GB/s for one row at a time, a torch
 # sum reading 33 GB/s). The row (K elements) stays in L1 while the batch's rows of x are dotted with it.
@@ -116,45 +116,32 @@ def load(address, index, dtype):  # type: ignore[no-untyped-def]
 
 
 @njit(**OPTS)
-def linear_f32(xs, batch, k, w_addr, n0, n1, out, out_cols, res, bias):  # type: ignore[no-untyped-def]
-    w = f32s(w_addr, n1 * k)
+def linear_float(xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias):  # type: ignore[no-untyped-def]
+    size = 4 if w_dtype == F32 else 2
     chunks = k // CHUNK
-    limit = w_addr + n1 * k * 4
+    limit = w_addr + n1 * k * size
     x0 = xs.ctypes.data
     for nn in range(n0, n1):
-        row = w_addr + nn * k * 4
-        for b in range(batch):
-            s0 = dot_f32_row(x0 + b * k * 4, row, chunks, limit if b == 0 else 0)
-            for i in range(chunks * CHUNK, k):
-                s0 += xs[b * k + i] * w[nn * k + i]
-            out[U(b) * U(out_cols) + U(nn)] = s0
-    finish_rows(out, out_cols, batch, n0, n1, res, bias)
-
-
-@njit(**OPTS)
-def linear_u16(xs, batch, k, w_addr, n0, n1, out, out_cols, res, bias, is_bf16):  # type: ignore[no-untyped-def]
-    w = u16s(w_addr, n1 * k)
-    chunks = k // CHUNK
-    limit = w_addr + n1 * k * 2
-    x0 = xs.ctypes.data
-    for nn in range(n0, n1):
-        row = w_addr + nn * k * 2
+        row = w_addr + nn * k * size
         for b in range(batch):
             x = x0 + b * k * 4
             ahead = limit if b == 0 else 0
-            s0 = dot_bf16_row(x, row, chunks, ahead) if is_bf16 else dot_f16_row(x, row, chunks, ahead)
+            if w_dtype == F32:
+                s0 = dot_f32_row(x, row, chunks, ahead)
+            elif w_dtype == BF16:
+                s0 = dot_bf16_row(x, row, chunks, ahead)
+            else:
+                s0 = dot_f16_row(x, row, chunks, ahead)
             for i in range(chunks * CHUNK, k):
-                s0 += xs[b * k + i] * (bf16(w[nn * k + i]) if is_bf16 else f16(w[nn * k + i]))
+                s0 += xs[b * k + i] * load(w_addr, nn * k + i, w_dtype)
             out[U(b) * U(out_cols) + U(nn)] = s0
     finish_rows(out, out_cols, batch, n0, n1, res, bias)
 
 
 @njit(**OPTS)
 def linear(xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias, work):  # type: ignore[no-untyped-def]
-    if w_dtype == F32:
-        linear_f32(xs, batch, k, w_addr, n0, n1, out, out_cols, res, bias)
-    elif w_dtype == BF16 or w_dtype == F16:
-        linear_u16(xs, batch, k, w_addr, n0, n1, out, out_cols, res, bias, w_dtype == BF16)
+    if w_dtype == F32 or w_dtype == BF16 or w_dtype == F16:
+        linear_float(xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias)
     else:  # Q8_0 / Q4_0 blocks (pk_quant.is_quantized)
         linear_q(xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias, work)
 

@@ -156,6 +156,38 @@ def _int16_block(xq_ptr: ir.Value, dx_ptr: ir.Value, q4: bool) -> Emit:
     return emit
 
 
+def counted_loop(builder: ir.IRBuilder, count: ir.Value, inits: list[ir.Value], body: Callable[
+        [ir.IRBuilder, ir.Value, list[ir.Value]], list[ir.Value]], name: str) -> list[ir.Value]:
+    """``for j in range(count): values = body(builder, j, values)`` from ``inits``, as one LLVM loop whose
+    values are phis (no memory round trips); returns the final values (``inits`` when count <= 0)."""
+    entry = builder.block
+    loop = builder.append_basic_block(f"{name}.loop")
+    done = builder.append_basic_block(f"{name}.done")
+    builder.cbranch(builder.icmp_signed(">", count, ir.Constant(I64, 0)), loop, done)
+
+    builder.position_at_end(loop)
+    j = builder.phi(I64)
+    phis = [builder.phi(value.type) for value in inits]
+    new = body(builder, j, phis)
+    nxt = builder.add(j, ir.Constant(I64, 1))
+    tail = builder.block
+    j.add_incoming(ir.Constant(I64, 0), entry)
+    j.add_incoming(nxt, tail)
+    for phi, init, value in zip(phis, inits, new, strict=True):
+        phi.add_incoming(init, entry)
+        phi.add_incoming(value, tail)
+    builder.cbranch(builder.icmp_signed("<", nxt, count), loop, done)
+
+    builder.position_at_end(done)
+    finals = []
+    for init, value in zip(inits, new, strict=True):  # every phi first: LLVM wants them at the top of the block
+        phi = builder.phi(init.type)
+        phi.add_incoming(init, entry)
+        phi.add_incoming(value, tail)
+        finals.append(phi)
+    return finals
+
+
 def _rows_dot(builder: ir.IRBuilder, emit: Emit, rows: list[ir.Value], blocks: ir.Value, stride: int, width: int,
               acc_type: ir.VectorType = VF) -> list[ir.Value]:
     """One block (``stride`` bytes) per iteration for each of ``rows`` (addresses of their first block), each
@@ -163,38 +195,18 @@ def _rows_dot(builder: ir.IRBuilder, emit: Emit, rows: list[ir.Value], blocks: i
     interleaved rows shared x's loads but measured half the DRAM bandwidth (two streams 612 bytes apart)."""
     w_ptrs = [builder.inttoptr(row, I8.as_pointer()) for row in rows]
     block_bytes = ir.Constant(I64, stride)
-    entry = builder.block
-    loop = builder.append_basic_block("qdot.loop")
-    done = builder.append_basic_block("qdot.done")
     zero = ir.Constant(acc_type, [0.0] * acc_type.count)
-    builder.cbranch(builder.icmp_signed(">", blocks, ir.Constant(I64, 0)), loop, done)
 
-    builder.position_at_end(loop)
-    j = builder.phi(I64)
-    accs = [[builder.phi(acc_type) for _ in range(width)] for _ in rows]
-    offset = builder.mul(j, block_bytes)
-    new = emit(builder, [builder.gep(w, [offset]) for w in w_ptrs], j, accs)
-    nxt = builder.add(j, ir.Constant(I64, 1))
-    tail = builder.block
-    j.add_incoming(ir.Constant(I64, 0), entry)
-    j.add_incoming(nxt, tail)
-    for row_accs, row_new in zip(accs, new, strict=True):
-        for acc, value in zip(row_accs, row_new, strict=True):
-            acc.add_incoming(zero, entry)
-            acc.add_incoming(value, tail)
-    builder.cbranch(builder.icmp_signed("<", nxt, blocks), loop, done)
+    def body(builder: ir.IRBuilder, j: ir.Value, flat: list[ir.Value]) -> list[ir.Value]:
+        accs = [flat[r * width:(r + 1) * width] for r in range(len(rows))]
+        offset = builder.mul(j, block_bytes)
+        new = emit(builder, [builder.gep(w, [offset]) for w in w_ptrs], j, accs)
+        return [value for row in new for value in row]
 
-    builder.position_at_end(done)
-    finals = []
-    for row_new in new:  # every phi first: LLVM wants them at the top of the block
-        finals.append([])
-        for value in row_new:
-            phi = builder.phi(acc_type)
-            phi.add_incoming(zero, entry)
-            phi.add_incoming(value, tail)
-            finals[-1].append(phi)
+    finals = counted_loop(builder, blocks, [zero] * (len(rows) * width), body, "qdot")
     sums = []
-    for row in finals:
+    for r in range(len(rows)):
+        row = finals[r * width:(r + 1) * width]
         total = row[0]
         for value in row[1:]:
             total = builder.fadd(total, value)

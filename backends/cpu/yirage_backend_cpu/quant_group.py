@@ -38,7 +38,19 @@ from numba.extending import intrinsic
 
 from yirage_backend_cpu import quant_dot
 from yirage_backend_cpu.float_dot import prefetch_ahead
-from yirage_backend_cpu.quant_dot import F32, I8, I16, I32, I64, _host_has, _ints, _pointer, _scale, _splat
+from yirage_backend_cpu.quant_dot import (
+    F32,
+    I8,
+    I16,
+    I32,
+    I64,
+    _host_has,
+    _ints,
+    _pointer,
+    _scale,
+    _splat,
+    counted_loop,
+)
 
 GROUP = 8
 Q4_GROUP_BYTES, Q8_GROUP_BYTES = 8 * 18, 8 * 34  # one block of 8 rows
@@ -136,58 +148,42 @@ def _group_dot_split(builder: ir.IRBuilder, x: list[ir.Value], group: ir.Value, 
     top bit flipped) by hi, less 128 sum(hi)."""
     xlo, xhi, sxhi, dx = x
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8F, [V8F, V8F, V8F]), "llvm.fmuladd.v8f32")
-    entry = builder.block
-    loop = builder.append_basic_block("q4g.loop")
-    done = builder.append_basic_block("q4g.done")
-    zero = ir.Constant(V8F, [0.0] * 8)
-    builder.cbranch(builder.icmp_signed(">", blocks, ir.Constant(I64, 0)), loop, done)
-
-    builder.position_at_end(loop)
-    j = builder.phi(I64)
-    acc = builder.phi(V8F)
     stride = Q8_GROUP_BYTES if q8 else Q4_GROUP_BYTES
-    block = builder.gep(group, [builder.mul(j, ir.Constant(I64, stride))])
-    prefetch_ahead(builder, builder.ptrtoint(block, I64), stride, limit)
-    at = builder.mul(j, ir.Constant(I64, 32))
-    lo4 = builder.bitcast(builder.gep(xlo, [at]), I32.as_pointer())  # 4 bytes of x each
-    hi4 = builder.bitcast(builder.gep(xhi, [at]), I32.as_pointer())
-    none = ir.Constant(V8I32, [0] * 8)
-    lows, highs = [none, none], [none, none]  # four independent chains
-    fifteen, eight = ir.Constant(V32I8, [15] * 32), ir.Constant(V32I8, [8] * 32)
-    for t in range(8 if q8 else 4):
-        chunk = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(I64, 16 + 32 * t)]), V32I8.as_pointer()),
-                             align=1)
-        if q8:  # (signed, unsigned) views of elements 4t .. 4t + 3 of the 8 rows
-            parts = [(t, chunk, builder.xor(chunk, ir.Constant(V32I8, [-128] * 32)))]
-        else:
-            nibbles = (builder.and_(chunk, fifteen),
-                       builder.and_(builder.lshr(chunk, ir.Constant(V32I8, [4] * 32)), fifteen))
-            parts = [(4 * h + t, builder.sub(nib, eight), nib) for h, nib in enumerate(nibbles)]
-        for at4, signed, unsigned in parts:  # x[4 at4 .. + 4) broadcast to the 8 rows' lanes
-            lo = builder.bitcast(_splat(builder, builder.load(builder.gep(lo4, [ir.Constant(I64, at4)]), align=1), 8),
-                                 V32I8)
-            hi = builder.bitcast(_splat(builder, builder.load(builder.gep(hi4, [ir.Constant(I64, at4)]), align=1), 8),
-                                 V32I8)
-            chain = at4 % 2
-            lows[chain] = _dpbusd(builder, lows[chain], lo, signed)
-            highs[chain] = _dpbusd(builder, highs[chain], unsigned, hi)
-    offset = builder.shl(builder.load(builder.gep(sxhi, [j]), align=4), ir.Constant(I32, 7 if q8 else 3))
-    high = builder.sub(builder.add(highs[0], highs[1]), _splat(builder, offset, 8))
-    rows = builder.add(builder.add(lows[0], lows[1]), builder.shl(high, ir.Constant(V8I32, [8] * 8)))
-    scale = builder.fmul(_scales8(builder, block), _splat(builder, builder.load(builder.gep(dx, [j]), align=4), 8))
-    new = builder.call(fma, [builder.sitofp(rows, V8F), scale, acc])
-    nxt = builder.add(j, ir.Constant(I64, 1))
-    tail = builder.block
-    j.add_incoming(ir.Constant(I64, 0), entry)
-    j.add_incoming(nxt, tail)
-    acc.add_incoming(zero, entry)
-    acc.add_incoming(new, tail)
-    builder.cbranch(builder.icmp_signed("<", nxt, blocks), loop, done)
 
-    builder.position_at_end(done)
-    result = builder.phi(V8F)
-    result.add_incoming(zero, entry)
-    result.add_incoming(new, tail)
+    def block_dot(builder: ir.IRBuilder, j: ir.Value, acc: list[ir.Value]) -> list[ir.Value]:
+        block = builder.gep(group, [builder.mul(j, ir.Constant(I64, stride))])
+        prefetch_ahead(builder, builder.ptrtoint(block, I64), stride, limit)
+        at = builder.mul(j, ir.Constant(I64, 32))
+        lo4 = builder.bitcast(builder.gep(xlo, [at]), I32.as_pointer())  # 4 bytes of x each
+        hi4 = builder.bitcast(builder.gep(xhi, [at]), I32.as_pointer())
+        none = ir.Constant(V8I32, [0] * 8)
+        lows, highs = [none, none], [none, none]  # four independent chains
+        fifteen, eight = ir.Constant(V32I8, [15] * 32), ir.Constant(V32I8, [8] * 32)
+        for t in range(8 if q8 else 4):
+            chunk = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(I64, 16 + 32 * t)]),
+                                                 V32I8.as_pointer()), align=1)
+            if q8:  # (signed, unsigned) views of elements 4t .. 4t + 3 of the 8 rows
+                parts = [(t, chunk, builder.xor(chunk, ir.Constant(V32I8, [-128] * 32)))]
+            else:
+                nibbles = (builder.and_(chunk, fifteen),
+                           builder.and_(builder.lshr(chunk, ir.Constant(V32I8, [4] * 32)), fifteen))
+                parts = [(4 * h + t, builder.sub(nib, eight), nib) for h, nib in enumerate(nibbles)]
+            for at4, signed, unsigned in parts:  # x[4 at4 .. + 4) broadcast to the 8 rows' lanes
+                lo = builder.bitcast(_splat(builder, builder.load(builder.gep(lo4, [ir.Constant(I64, at4)]),
+                                                                  align=1), 8), V32I8)
+                hi = builder.bitcast(_splat(builder, builder.load(builder.gep(hi4, [ir.Constant(I64, at4)]),
+                                                                  align=1), 8), V32I8)
+                chain = at4 % 2
+                lows[chain] = _dpbusd(builder, lows[chain], lo, signed)
+                highs[chain] = _dpbusd(builder, highs[chain], unsigned, hi)
+        offset = builder.shl(builder.load(builder.gep(sxhi, [j]), align=4), ir.Constant(I32, 7 if q8 else 3))
+        high = builder.sub(builder.add(highs[0], highs[1]), _splat(builder, offset, 8))
+        rows = builder.add(builder.add(lows[0], lows[1]), builder.shl(high, ir.Constant(V8I32, [8] * 8)))
+        scale = builder.fmul(_scales8(builder, block), _splat(builder, builder.load(builder.gep(dx, [j]), align=4),
+                                                               8))
+        return [builder.call(fma, [builder.sitofp(rows, V8F), scale, acc[0]])]
+
+    (result,) = counted_loop(builder, blocks, [ir.Constant(V8F, [0.0] * 8)], block_dot, "q4g")
     builder.store(result, builder.bitcast(out, V8F.as_pointer()), align=4)
 
 
