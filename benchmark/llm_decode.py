@@ -11,7 +11,7 @@ saved as safetensors for yirage; HF eager runs the transformers model itself. Ba
 
 Peers take turns round by round (drift hits them alike); each figure is min / median / max ms per token over
 ``--rounds``. The bound is weight bytes read per token / the measured read bandwidth (the faster of a torch
-sum and a numba prange sum over 256 MiB). The host's bandwidth drifts by 20-50% within minutes on a shared
+sum and a numba prange sum over 256 MiB). The host's bandwidth drifted by 15-60% between runs minutes apart on a shared
 machine, so the bandwidth is probed again right before every peer's run and once after the last: each run's
 share of the bound uses the faster of the two probes around it, and ``share`` is the median of those shares.
 Ratios compare medians within one model and dtype.
