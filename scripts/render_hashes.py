@@ -41,15 +41,17 @@ def _split_header(source: str) -> tuple[str, str]:
 
 def plan_hashes() -> dict[str, dict[str, str]]:
     """Every kit plan rendered by every renderer: {plan name: {renderer: hash}}."""
-    from yirage.codegen.cstyle import render_plan
-    from yirage.codegen.dialects import dialect
     from yirage_backend_domestic.hip_build import conformance_plans
 
+    from yirage.codegen.cstyle import render_plan
+    from yirage.codegen.dialects import dialect
+
     renderers: dict[str, Any] = {f"cstyle-{d}": (lambda p, d=d: render_plan(p, dialect(d))) for d in DIALECTS}
-    from yirage.backend.triton_stages import render_source as triton_source
     from yirage_backend_cpu.compile import render as cpu_render
     from yirage_backend_cuda.launch import render_source as cuda_source
     from yirage_backend_mps.compile import render_source as mps_source
+
+    from yirage.backend.triton_stages import render_source as triton_source
 
     renderers["backend-cuda"] = lambda p: cuda_source(p, {})
     renderers["backend-mps"] = mps_source
