@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SETUP_INPUTS := scripts/setup.sh pyproject.toml $(wildcard backends/*/pyproject.toml)
 
-.PHONY: setup demo test lint triton-interpret
+.PHONY: setup demo test lint triton-interpret gpu-check
 
 setup: $(VENV)/.installed
 
@@ -11,7 +11,7 @@ $(VENV)/.installed: $(SETUP_INPUTS)
 	bash scripts/setup.sh
 
 demo: setup
-	$(PY) tools/backend_manager.py info
+	$(PY) tools/yirage_backend_manager.py info
 	$(PY) demo/generate.py --backend auto
 
 lint: setup
@@ -40,3 +40,12 @@ triton-interpret: setup
 		tests/test_conformance.py tests/test_kit_oracle.py tests/test_kit_random_graphs.py
 	TRITON_INTERPRET=1 YIRAGE_TRITON_AOT_CACHE=$(abspath $(TRITON_KIT_CACHE)) $(PY) -m pytest -q -rs -n 2 \
 		--dist loadfile tests/test_triton_render.py tests/test_triton_aot.py tests/test_launched_runtime.py
+
+# The whole GPU state in one command, for a person with one NVIDIA GPU (under 8 minutes on one H100): the kit on
+# cuda and triton, the GPU-only and LLM tests, decode beside HF eager, kernel graphs beside torch; a summary table,
+# JSON and logs in $(or $(YIRAGE_GPU_CHECK_DIR),build/gpu-check). Without a GPU: the compile-only part (every kit
+# plan and PersistentKernel source through NVRTC + ptxas for sm_80/sm_90), as CI runs it. Exit 1 on a wrong result,
+# never on speed.
+gpu-check:
+	bash scripts/gpu_check.sh
+

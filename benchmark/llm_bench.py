@@ -223,7 +223,7 @@ def prompt_ids(engine: Any, args: argparse.Namespace, cases: Iterable[Case]) -> 
 
 def preflight(engine: Any, cases: list[Case]) -> None:
     """Every case's KV cache fits the free memory and the model's attention span, before any case runs."""
-    from yirage.models.llama import ModelError
+    from yirage.models.config import ModelError
 
     window = engine.config.sliding_window
     for case in cases:

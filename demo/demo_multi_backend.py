@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 import yirage as yr
-from yirage.models.llama import LlamaConfig, LlamaModel
+from yirage.models.config import LlamaConfig
+from yirage.models.llama import LlamaModel
 from yirage.testing import assert_matches_reference, assert_matches_torch
 
 Case = tuple[yr.KernelGraph, list[torch.Tensor], Callable[..., torch.Tensor]]  # graph, inputs, torch eager

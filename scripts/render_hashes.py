@@ -108,9 +108,14 @@ def persistent_hashes(workdir: Path) -> dict[str, dict[str, str]]:
 
 
 def compare(now: dict[str, Any], before: dict[str, Any]) -> int:
-    """Print every difference; 1 if a kernel differs, 0 if only headers (or nothing) differ."""
+    """Print every difference of the plans both sides render; 1 if a kernel differs, 0 if only headers (or nothing)
+    differ. Plans on one side only (the kit gained or changed a case) are listed, not counted as differences."""
     kernels = headers = 0
-    for name in sorted(set(now) | set(before)):
+    for side, names in (("only now", set(now) - set(before)), ("only before", set(before) - set(now))):
+        if names:
+            print(f"{len(names)} plans {side} (kit cases added or changed): {', '.join(sorted(names)[:12])}"
+                  + (" ..." if len(names) > 12 else ""))
+    for name in sorted(set(now) & set(before)):
         a, b = now.get(name, {}), before.get(name, {})
         for label in sorted(set(a) | set(b)):
             if a.get(label) != b.get(label):
@@ -118,7 +123,7 @@ def compare(now: dict[str, Any], before: dict[str, Any]) -> int:
                 headers += header
                 kernels += not header
                 print(f"{'header' if header else 'KERNEL'} differs: {name} {label}: {b.get(label)} -> {a.get(label)}")
-    total = sum(len(v) for v in now.values())
+    total = sum(len(now[n]) for n in set(now) & set(before))
     print(f"{total} renderings compared: {kernels} kernel differences, {headers} header differences")
     return 1 if kernels else 0
 

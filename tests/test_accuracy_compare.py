@@ -259,7 +259,7 @@ def test_cli_dump_and_compare_end_to_end(tiny, golden, tmp_path, capsys) -> None
     reader = DumpReader(my)
     assert reader.tokens == [0, 2] and {r["op"] for r in reader.records} == \
         {"qkv1", "attn1", "x1_mid", "gate_up1", "x2", "logits"}
-    run = subprocess.run([sys.executable, "tools/backend_manager.py", "compare", "--my-path", str(my),
+    run = subprocess.run([sys.executable, "tools/yirage_backend_manager.py", "compare", "--my-path", str(my),
                           "--golden-path", str(golden), "--output", str(tmp_path / "csv")],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr

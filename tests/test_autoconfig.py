@@ -24,6 +24,7 @@ import yirage as yr
 from yirage import autoconfig, cli
 from yirage import autoconfig_sweep as sweep_mod
 from yirage.autoconfig import ConfigMismatchError, SavedConfigError
+from yirage.backend.selection import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 600  # a cold numba compile of the decode loop can take a minute or two on a busy machine
@@ -52,15 +53,19 @@ def cpu_rule() -> tuple[int, int]:
 
 # -- the spec's snippets --------------------------------------------------------------------------------------
 @needs_cpu
-def test_the_spec_snippets_run_and_cuda_fails_naming_why(quick, tmp_path, monkeypatch, capsys) -> None:
+def test_the_spec_snippets_run_and_an_unavailable_backend_fails_naming_why(quick, tmp_path, monkeypatch,
+                                                                          capsys) -> None:
+    from conftest import unavailable_backend
+
+    missing = unavailable_backend(registry())  # cuda where there is no GPU, else another one (mps on Linux...)
     monkeypatch.chdir(tmp_path)
     config = yr.auto_configure_backend()
     print("Optimal config:", config)
     optimizer = yr.BackendOptimizer()
     optimizer.print_system_info()
     optimizer = yr.BackendOptimizer()
-    with pytest.raises(yr.BackendUnavailableError, match="'cuda'.*unavailable"):
-        optimizer.save_config('optimal_config.json', backend='cuda')
+    with pytest.raises(yr.BackendUnavailableError, match=f"'{missing}'.*unavailable"):
+        optimizer.save_config('optimal_config.json', backend=missing)
     optimizer.save_config('optimal_config.json', backend='cpu')
     config = optimizer.load_config('optimal_config.json')
     out = capsys.readouterr().out
@@ -220,8 +225,11 @@ def test_broken_json_and_mismatched_files_are_refused(saved) -> None:
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigMismatchError, match="for backend 'cpu', not 'reference'"):
         yr.BackendOptimizer().load_config(path, backend="reference")
-    path.write_text(json.dumps({**data, "backend": "cuda"}))
-    with pytest.raises(ConfigMismatchError, match="'cuda', which is unavailable here"):
+    from conftest import unavailable_backend
+
+    missing = unavailable_backend(registry())
+    path.write_text(json.dumps({**data, "backend": missing}))
+    with pytest.raises(ConfigMismatchError, match=f"'{missing}', which is unavailable here"):
         yr.BackendOptimizer().load_config(path)
 
 
@@ -300,7 +308,7 @@ def test_optimize_apply_then_new_processes_use_the_saved_config(tmp_path) -> Non
     import transformers
 
     conf = tmp_path / "conf"
-    out = run_python("", conf, "tools/backend_manager.py", "optimize", "--backend", "cpu", "--apply", "--json",
+    out = run_python("", conf, "tools/yirage_backend_manager.py", "optimize", "--backend", "cpu", "--apply", "--json",
                      "--duration", "0.3", "--candidates", "3", "--model", "tiny")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
@@ -361,11 +369,13 @@ def test_info_shows_the_active_config_and_where_each_value_came_from(capsys) -> 
     assert re.search(r"num_workers\s+1\s+saved", text), text
 
 
-@pytest.mark.parametrize(("args", "cause"), [
-    (["--backend", "nosuch"], "'nosuch'"), (["--backend", "cuda"], "'cuda'.*unavailable"),
-])
-def test_optimize_refuses_unknown_and_unavailable_backends(capsys, args, cause) -> None:
-    assert cli.main(["optimize", *args, "--no-sweep"]) == 2
+@pytest.mark.parametrize("which", ["unknown", "unavailable"])
+def test_optimize_refuses_unknown_and_unavailable_backends(capsys, which) -> None:
+    from conftest import unavailable_backend
+
+    name = "nosuch" if which == "unknown" else unavailable_backend(registry())
+    cause = f"'{name}'" + (".*unavailable" if which == "unavailable" else "")
+    assert cli.main(["optimize", "--backend", name, "--no-sweep"]) == 2
     err = capsys.readouterr().err
     assert "yirage: error:" in err
     assert re.search(cause, err), err

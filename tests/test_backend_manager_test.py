@@ -1,4 +1,4 @@
-"""``tools/backend_manager.py test <backend> [--quick]``: runs the conformance kit and summarises it."""
+"""``tools/yirage_backend_manager.py test <backend> [--quick]``: runs the conformance kit and summarises it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from yirage.cli import QUICK_SELECTION, main
 from yirage.errors import UnknownBackendError
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "backend_manager.py"
+TOOL = ROOT / "tools" / "yirage_backend_manager.py"
 
 
 def _run_tool(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:

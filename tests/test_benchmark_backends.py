@@ -1,5 +1,5 @@
-"""``benchmark_backends`` and ``backend_manager.py benchmark``: the figures' schema and consistency, the correctness
-gate before timing, unavailable backends with their reasons, errors, and the CLI (table, JSON, --output).
+"""``benchmark_backends`` and ``yirage_backend_manager.py benchmark``: the figures' schema and consistency, the
+correctness gate before timing, unavailable backends with their reasons, errors, and the CLI (table, JSON, --output).
 
 Short runs on the cpu backend (duration 0.5 s or less). Nothing here asserts that anything is fast; the only time
 bound is a generous ceiling on the timed part for a given duration."""

@@ -173,7 +173,7 @@ def test_info_shows_the_capabilities_as_columns(world, capsys) -> None:
     assert cli.main(["info", "--json"]) == 0
     rows = {b["name"]: b for b in json.loads(capsys.readouterr().out)["backends"]}
     assert rows["probeonly"]["capabilities"] == {
-        "kernel_graphs": False, "kernel_dtypes": [], "persistent": False, "weight_formats": []}
+        "kernel_graphs": False, "kernel_dtypes": [], "persistent": False, "weight_formats": [], "persistent_kind": ""}
     assert rows["f32only"]["capabilities"]["kernel_dtypes"] == ["float32"]
     reference = rows["reference"]["capabilities"]
     assert reference["kernel_graphs"] and reference["kernel_dtypes"] == ALL_DTYPES and reference["persistent"]
@@ -188,7 +188,7 @@ def test_info_shows_the_capabilities_as_columns(world, capsys) -> None:
     assert cells["probeonly"] == ["no", "no"]
     assert cells["f32only"] == ["float32", "no"]
     assert cells["torch"] == ["all", "no"]
-    assert cells["reference"] == ["all", "yes+q4_0,q8_0"]
+    assert cells["reference"] == ["all", "serial+q4_0,q8_0"]  # its runtime's kind, then the quantized weights
 
 
 def test_the_contract_documents_a_working_backend(tmp_path, monkeypatch, isolated_selection) -> None:

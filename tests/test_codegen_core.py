@@ -195,6 +195,52 @@ def test_backend_compile_uses_the_stages_and_a_backend_without_them_is_not_suppo
         NoCompiler().compile("plan", graph=None)
 
 
+class LoadsOnce(FakeBackend):
+    """A backend whose ``load`` goes through the one process cache of loaded programs (as every built-in does)."""
+
+    name = "fakeonce"
+
+    def __init__(self, fingerprint: str = "fp-once", scope: object = ()) -> None:
+        super().__init__(fingerprint)
+        self.scope = scope
+
+    def load(self, artifact: Artifact) -> object:
+        return artifact.load_once(lambda: super(LoadsOnce, self).load(artifact), scope=self.scope)
+
+
+def test_a_loaded_program_is_kept_per_entry_and_scope_and_reloaded_when_rebuilt(tmp_path) -> None:
+    root = tmp_path / "cache"
+    first, second = LoadsOnce(), LoadsOnce()
+    program = compile_cached(first, "plan-a", root=root)
+    assert compile_cached(second, "plan-a", root=root) is program and second.loads == []  # one load per process
+    other_device = LoadsOnce(scope=1)
+    assert compile_cached(other_device, "plan-a", root=root) is not program and len(other_device.loads) == 1
+    (first.builds[0] / "kernel.bin").write_bytes(b"binary<garbage>")  # damaged: rebuilt, and loaded again
+    rebuilt = compile_cached(second, "plan-a", root=root)
+    assert rebuilt is not program and second.loads[-1].rebuilt and rebuilt([]) == oracle("plan-a")
+    assert compile_cached(first, "plan-a", root=root) is rebuilt
+
+
+def test_concurrent_compiles_of_one_plan_load_it_once(tmp_path) -> None:
+    import threading
+
+    backends = [LoadsOnce(fingerprint="fp-threads") for _ in range(8)]
+    start = threading.Barrier(len(backends))
+    got: list[object] = []
+
+    def compile_one(b: LoadsOnce) -> None:
+        start.wait()
+        got.append(compile_cached(b, "plan-t", root=tmp_path / "cache"))
+
+    threads = [threading.Thread(target=compile_one, args=(b,)) for b in backends]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == len(backends) and all(p is got[0] for p in got)
+    assert sum(len(b.loads) for b in backends) == 1
+
+
 # -- backend-neutral helpers --------------------------------------------------------------------------------
 
 PY = IndexSyntax(const=str, declare=lambda n, v: f"{n} = {v}", assign=lambda n, v: f"{n} = {v}", floordiv="//")

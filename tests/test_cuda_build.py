@@ -219,13 +219,15 @@ class _HandWritten(CUDABackend):
     def load(self, artifact: object) -> object:
         return artifact
 
+    def target(self) -> str:
+        """The compile-check archs on every machine (on a GPU host target() would be its one arch)."""
+        return ",".join(ARCHS)
+
 
 def test_build_writes_one_private_cubin_per_target_arch_into_the_cache(tmp_path: Path) -> None:
     from yirage.compiler.stages import compile_cached
 
     backend = _HandWritten()
-    if backend.availability().ok:
-        pytest.skip("a GPU is present: target() is its arch, not the compile-check archs")
     assert backend.target() == "sm_80,sm_90"
     assert toolchain().fingerprint() in backend.fingerprint()
     artifact = compile_cached(backend, plan=None, root=tmp_path)

@@ -32,7 +32,9 @@ from yirage.distributed.sharding import (
     shard_state_dict,
     valid_world_sizes,
 )
-from yirage.models.llama import LlamaConfig, LlamaModel, load_weights
+from yirage.models.config import LlamaConfig
+from yirage.models.llama import LlamaModel
+from yirage.models.weights import load_weights
 from yirage.quant import QuantizedTensor
 
 transformers = pytest.importorskip("transformers")

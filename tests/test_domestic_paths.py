@@ -325,7 +325,7 @@ def test_a_persistent_kernel_on_the_triton_path_gets_the_launched_runtime(monkey
     assert backend.default_config(backend.device_info()) == {"num_workers": 1, "num_local_schedulers": 1}
 
 
-# -- backend_manager.py info -------------------------------------------------------------------------------
+# -- yirage_backend_manager.py info ------------------------------------------------------------------------
 
 
 def test_info_shows_each_domestic_backends_path(monkeypatch, no_triton, isolated_selection, capsys) -> None:

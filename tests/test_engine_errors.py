@@ -17,7 +17,7 @@ import torch
 
 from yirage.engine import GenerationConfig, InferEngine
 from yirage.errors import NotSupportedError
-from yirage.models.llama import ModelError
+from yirage.models.config import ModelError
 
 transformers = pytest.importorskip("transformers")
 

@@ -22,8 +22,9 @@ import torch
 
 from yirage.engine import GenerationConfig, InferEngine
 from yirage.errors import NotSupportedError
+from yirage.models.config import ModelError
 from yirage.models.gguf import GGUFError, dequantize_tensor, open_gguf, read_gguf
-from yirage.models.llama import LlamaModel, ModelError
+from yirage.models.llama import LlamaModel
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")

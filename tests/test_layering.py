@@ -5,6 +5,13 @@ checked, including imports inside functions and ``TYPE_CHECKING`` blocks and
 ``importlib.import_module("yirage...")`` calls: a lazy import is still a
 dependency. The known exceptions are listed in ALLOWED with their reason, so
 the test passes and shows the debt.
+
+Inside one package the layers say nothing, so a second check forbids import
+cycles there (module a imports b and b imports a, at any depth, over the same
+kinds of import): in yirage/ and in each backends/*/yirage_backend_* package.
+A cycle is usually a late import hiding that two modules are one idea split
+in two, or that a shared piece wants its own module below both. Known cycles
+are listed in ALLOWED_CYCLES with their reason.
 """
 
 from __future__ import annotations
@@ -57,8 +64,8 @@ def _layer_of(module: str) -> tuple[int, str]:
     return index, package
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+def _module_name(path: Path, root: Path = PACKAGE.parent) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -73,8 +80,11 @@ def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _imported(tree: ast.AST, module: str, is_package: bool) -> Iterator[tuple[int, str]]:
-    """Every yirage module ``tree`` imports, with its line: ``from yirage import config`` is yirage.config."""
+def _imported(tree: ast.AST, module: str, is_package: bool, root: Path = PACKAGE.parent) -> Iterator[tuple[int, str]]:
+    """Every module ``tree`` imports, with its line: ``from yirage import config`` is yirage.config.
+
+    ``root`` is the directory the package of ``module`` lies in (it tells a submodule from a name in a package).
+    """
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -83,7 +93,7 @@ def _imported(tree: ast.AST, module: str, is_package: bool) -> Iterator[tuple[in
             source = _resolve(node, module, is_package)
             for alias in node.names:
                 candidate = f"{source}.{alias.name}"
-                sub = PACKAGE.parent.joinpath(*candidate.split("."))
+                sub = root.joinpath(*candidate.split("."))
                 is_module = sub.is_dir() or sub.with_suffix(".py").exists()
                 yield node.lineno, candidate if is_module else source
         elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
@@ -131,6 +141,135 @@ def test_every_allowed_edge_still_exists() -> None:
         edges |= {(module, target) for _, target in _imported(tree, module, path.name == "__init__.py")}
     stale = [edge for edge in ALLOWED if edge not in edges]
     assert not stale, f"remove these from ALLOWED, the imports are gone: {stale}"
+
+
+#: The packages searched for import cycles: the core and each built-in backend's package.
+CYCLE_ROOTS: list[Path] = [PACKAGE, *sorted(PACKAGE.parent.glob("backends/*/yirage_backend_*"))]
+
+#: Import cycles (the modules of one strongly connected component) -> why they are allowed for now. Each one is debt.
+ALLOWED_CYCLES: dict[frozenset[str], str] = {
+    frozenset({"yirage.persistent.cstyle", "yirage.persistent.cstyle_sample"}):
+        "the sampler's renderer imports the task renderer's names back (lazily and under TYPE_CHECKING): found by "
+        "this check while yirage/persistent/* was being edited for the control protocol (issue 25); for its owner",
+}
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports (every kind of import, as the layering check sees)."""
+    root = package.parent
+    files = {_module_name(path, root): path for path in sorted(package.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        targets = {target for _, target in _imported(tree, module, path.name == "__init__.py", root)}
+        graph[module] = {target for target in targets if target in files and target != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``: each strongly connected component of two or more modules (Tarjan's
+    algorithm, iterative), sorted, as one path through it that ends where it starts (``a -> b -> a``)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, successors = work[-1]
+            for succ in successors:
+                if succ not in index:
+                    index[succ] = low[succ] = len(index)
+                    stack.append(succ)
+                    on_stack.add(succ)
+                    work.append((succ, iter(sorted(graph[succ]))))
+                    break
+                if succ in on_stack:
+                    low[node] = min(low[node], index[succ])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.add(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        components.append(component)
+    return sorted((_path_through(graph, component) for component in components), key=lambda path: path[0])
+
+
+def _path_through(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """A shortest cycle from the component's first module back to itself, for the message."""
+    first = min(component)
+    came_from: dict[str, str] = {}
+    frontier = [first]
+    while frontier:
+        following = []
+        for node in frontier:
+            for succ in sorted(graph[node] & component):
+                if succ == first:
+                    path = [node]
+                    while path[-1] != first:
+                        path.append(came_from[path[-1]])
+                    return [first, *reversed(path[:-1]), first]
+                if succ not in came_from:
+                    came_from[succ] = node
+                    following.append(succ)
+        frontier = following
+    raise AssertionError(f"{sorted(component)} is not a cycle")
+
+
+def import_cycles() -> dict[frozenset[str], list[str]]:
+    """Every import cycle of the packages in CYCLE_ROOTS: its modules -> one path through them."""
+    return {frozenset(path): path for package in CYCLE_ROOTS for path in cycles(import_graph(package))}
+
+
+def test_no_import_cycles_inside_a_package() -> None:
+    found = {members: path for members, path in import_cycles().items() if members not in ALLOWED_CYCLES}
+    assert not found, (
+        "import cycles (lazy imports included):\n  " + "\n  ".join(" -> ".join(path) for path in found.values())
+        + "\nmove what both sides need into a module that both import (or merge the two if they are one idea); "
+        "only if that is not possible yet, add the cycle's modules to ALLOWED_CYCLES with the reason"
+    )
+
+
+def test_every_allowed_cycle_still_exists() -> None:
+    """A cycle that was broken is removed from ALLOWED_CYCLES, so it only ever lists real debt."""
+    stale = [sorted(members) for members in ALLOWED_CYCLES if members not in import_cycles()]
+    assert not stale, f"remove these from ALLOWED_CYCLES, the cycles are gone (or changed shape): {stale}"
+
+
+@pytest.mark.parametrize(("graph", "expected"), [
+    ({"a": {"b"}, "b": {"a"}}, [["a", "b", "a"]]),
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c", "a"]]),  # at any depth
+    ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, []),  # a diamond is no cycle
+    ({"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"c"}}, [["a", "b", "a"], ["c", "d", "c"]]),
+])
+def test_the_cycle_finder(graph: dict[str, set[str]], expected: list[list[str]]) -> None:
+    assert cycles(graph) == expected
+
+
+def test_a_lazy_import_closes_a_cycle(tmp_path: Path) -> None:
+    """The checker on a planted package: a function-level import back to the importer is a cycle."""
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.sub import b\n")
+    (package / "sub" / "b.py").write_text("def f():\n    from .. import a\n    return a\n")
+    (package / "c.py").write_text("import pkg.a\n")
+    assert cycles(import_graph(package)) == [["pkg.a", "pkg.sub.b", "pkg.a"]]
 
 
 @pytest.mark.parametrize(("source", "expected"), [

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import yirage as yr
-import yirage.models.llama as llama
+import yirage.models.prefill as prefill
 from yirage.engine import GenerationConfig, InferEngine
 
 pytest.importorskip("transformers")
@@ -128,10 +128,11 @@ def broken_engine(path: Any, backend: str, ablate: Callable[[Any], None], where:
     model = engine.model
     if where == "model":
         if ablate is no_rope:  # the RoPE tables are rebuilt by reset_cache: break their source
-            def identity_tables(config: Any, positions: int) -> tuple[Any, Any]:
-                return torch.ones(positions, config.head_dim), torch.zeros(positions, config.head_dim)
+            def identity_tables(config: Any, positions: int, device: Any = "cpu") -> tuple[Any, Any]:
+                return (torch.ones(positions, config.head_dim, device=device),
+                        torch.zeros(positions, config.head_dim, device=device))
 
-            monkeypatch.setattr(llama, "rope_tables", identity_tables)
+            monkeypatch.setattr(prefill, "rope_tables", identity_tables)
         else:
             ablate(model)
         return engine

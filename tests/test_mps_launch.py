@@ -26,8 +26,6 @@ from yirage_backend_domestic.hip_build import conformance_plans
 from yirage_backend_mps import MPSBackend
 from yirage_backend_mps.compile import (
     MAX_BUFFERS,
-    META_PREFIX,
-    LaunchPlan,
     MetalBuildError,
     MetalProgram,
     build,
@@ -40,6 +38,7 @@ from yirage.backend.selection import registry
 from yirage.codegen.cstyle import render
 from yirage.codegen.dialects import dialect
 from yirage.codegen.exprs import UnsupportedExprError
+from yirage.codegen.launch import C_COMMENT, LaunchHeader, LaunchHeaderError
 from yirage.compiler.kernel_ir import KernelPlan
 from yirage.compiler.lower import build_plan
 from yirage.compiler.stages import compile_cached
@@ -142,12 +141,12 @@ def test_every_kit_plan_round_trips_through_render_build_and_the_launch_header(
         source = MPS.render(plan)
         rendered = render(plan, METAL)
         header, _, body = source.partition("\n")
-        assert header.startswith(META_PREFIX) and body == rendered.source, name
+        assert header.startswith(LaunchHeader.prefix(C_COMMENT)) and body == rendered.source, name
         workdir = tmp_path / name
         workdir.mkdir()
         path = build(source, workdir)
         assert path.parent == workdir and path.read_text(encoding="utf-8") == source
-        meta = LaunchPlan.parse(path.read_text(encoding="utf-8"), str(path))
+        meta = LaunchHeader.read(path.read_text(encoding="utf-8"), str(path), C_COMMENT)
         assert meta.launches == rendered.launches and meta.scratch == rendered.scratch, name
         assert meta.inputs == tuple((n, plan.buffers[n].index, plan.buffers[n].dtype.name) for n in plan.inputs)
         assert meta.outputs == tuple(plan.outputs)
@@ -249,7 +248,7 @@ def test_compiler_errors_and_missing_kernels_are_metal_build_errors() -> None:
         MetalProgram(source, "x.metal", compile_shader=rejecting, device="cpu")
     with pytest.raises(MetalBuildError, match="no kernel"):
         MetalProgram(source, "x.metal", compile_shader=lambda s: FakeLibrary(""), device="cpu")
-    with pytest.raises(MetalBuildError, match="launch header"):
+    with pytest.raises(LaunchHeaderError, match="x.metal does not start with a launch header"):
         MetalProgram(source.partition("\n")[2], "x.metal", compile_shader=FakeLibrary, device="cpu")
 
 

@@ -352,7 +352,7 @@ def test_a_residual_that_is_its_own_output_is_refused() -> None:
 
 
 def test_unsupported_model_options_are_refused() -> None:
-    from yirage.models.llama import LlamaConfig, ModelError
+    from yirage.models.config import LlamaConfig, ModelError
 
     base = hf_config("llama-gqa").to_dict()
     for key in ("mlp_bias", "attention_bias"):

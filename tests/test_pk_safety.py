@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import yirage as yr
-from yirage.models.llama import ModelError
+from yirage.models.config import ModelError
 from yirage.persistent.layers import LayerError
 
 transformers = pytest.importorskip("transformers")

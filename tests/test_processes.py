@@ -124,7 +124,7 @@ def _oracle_availability() -> dict[str, bool]:
 
 
 def test_info_lists_every_backend_truthfully(here) -> None:
-    out = run("", args=["tools/backend_manager.py", "info", "--json"])
+    out = run("", args=["tools/yirage_backend_manager.py", "info", "--json"])
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     listed = {b["name"]: b["available"] for b in info["backends"]}
@@ -149,7 +149,7 @@ def test_info_survives_an_unusable_default(here) -> None:
 
 def test_set_saves_the_default_for_later_processes(tmp_path, here) -> None:
     env = {"YIRAGE_CONFIG_DIR": str(tmp_path)}
-    out = run("", args=["tools/backend_manager.py", "set", "reference"], env=env)
+    out = run("", args=["tools/yirage_backend_manager.py", "set", "reference"], env=env)
     assert out.returncode == 0, out.stderr
     assert json.loads((tmp_path / "config.json").read_text()) == {"backend": "reference"}
     assert run("import yirage as yr; print(yr.get_backend())", env=env).stdout.strip() == "reference"
@@ -162,7 +162,7 @@ def test_set_saves_the_default_for_later_processes(tmp_path, here) -> None:
 
 def test_set_refuses_an_unavailable_backend(tmp_path, here) -> None:
     name = unavailable_backend(here, prefer="mps")
-    out = run("", args=["tools/backend_manager.py", "set", name], env={"YIRAGE_CONFIG_DIR": str(tmp_path)})
+    out = run("", args=["tools/yirage_backend_manager.py", "set", name], env={"YIRAGE_CONFIG_DIR": str(tmp_path)})
     assert out.returncode == 2 and repr(name) in out.stderr and "unavailable" in out.stderr
     assert not (tmp_path / "config.json").exists()
 
@@ -172,7 +172,7 @@ def test_a_corrupted_settings_file_is_named_with_the_fix(tmp_path) -> None:
     out = run("import yirage as yr; yr.get_backend()", env={"YIRAGE_CONFIG_DIR": str(tmp_path)})
     assert out.returncode != 0
     assert str(tmp_path / "config.json") in out.stderr and "corrupted" in out.stderr and "set auto" in out.stderr
-    fixed = run("", args=["tools/backend_manager.py", "set", "auto"], env={"YIRAGE_CONFIG_DIR": str(tmp_path)})
+    fixed = run("", args=["tools/yirage_backend_manager.py", "set", "auto"], env={"YIRAGE_CONFIG_DIR": str(tmp_path)})
     assert fixed.returncode == 0, fixed.stderr
 
 
@@ -200,7 +200,7 @@ def test_unreadable_settings_are_reported_by_info_and_fixed_by_set(tmp_path, con
     assert out.returncode == 0, out.stderr
     default = json.loads(out.stdout)["default"]
     assert str(tmp_path / "config.json") in default["settings_error"]
-    fixed = run("", args=["tools/backend_manager.py", "set", "reference"], env=env)  # available everywhere
+    fixed = run("", args=["tools/yirage_backend_manager.py", "set", "reference"], env=env)  # available everywhere
     assert fixed.returncode == 0, fixed.stderr
     assert json.loads((tmp_path / "config.json").read_text()) == {"backend": "reference"}
 

@@ -94,7 +94,7 @@ def test_the_allow_list_can_exclude_the_plugin(site) -> None:
 
 
 def test_the_crashing_plugin_is_shown_by_the_text_info(site) -> None:
-    out = run(site, ["tools/backend_manager.py", "info"])
+    out = run(site, ["tools/yirage_backend_manager.py", "info"])
     assert out.returncode == 0, out.stderr
     assert "Plugin problems" in out.stdout
     assert "crasher (crashing-backend 0.9): failed" in out.stdout

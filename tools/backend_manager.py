@@ -1,9 +1,8 @@
 #!/usr/bin/env python
-"""yirage backend manager: ``info``, ``set``, ``test`` and ``benchmark`` (same as ``python -m yirage``)."""
+"""The short name of tools/yirage_backend_manager.py (the project's guides and issues use it): runs that script."""
 
-import sys
-
-from yirage.cli import main
+import runpy
+from pathlib import Path
 
 if __name__ == "__main__":
-    sys.exit(main())
+    runpy.run_path(str(Path(__file__).with_name("yirage_backend_manager.py")), run_name="__main__")

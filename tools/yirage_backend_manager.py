@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""yirage backend manager under the spec's name: the same tool as tools/backend_manager.py (``python -m yirage``).
+"""yirage backend manager: ``info``, ``set``, ``test``, ``benchmark``, ``optimize``, ``dump``, ``compare``.
 
-``info``, ``set``, ``test``, ``benchmark`` and ``optimize``; see yirage/cli.py.
+The command line lives in yirage/cli.py (also ``python -m yirage``); this file is the script name the spec
+promises users (``python tools/yirage_backend_manager.py info``), so it only runs that entry point.
 """
 
 import sys

@@ -13,7 +13,7 @@ Every value is a :class:`Setting` that carries its source:
 - ``explicit``: passed by the caller (``PersistentKernel(num_workers=...)``)
 - ``default``: the backend proposes nothing and nothing was saved (one worker, one scheduler)
 
-Applied configurations (``backend_manager.py optimize --backend B --apply``) live in
+Applied configurations (``yirage_backend_manager.py optimize --backend B --apply``) live in
 ``autoconfig.json`` next to the settings file of :mod:`yirage.config` (``$YIRAGE_CONFIG_DIR``,
 ``$XDG_CONFIG_HOME/yirage`` or ``~/.config/yirage``), one entry per backend name::
 
@@ -38,15 +38,16 @@ from typing import Any
 
 from yirage import config as settings
 from yirage.backend.base import Backend, DeviceInfo, checked_device_info, checked_memory_info
+from yirage.backend.runtime_contract import CONFIG_FIELDS, RuntimeKind
 from yirage.errors import NotSupportedError, PluginError
 
 logger = logging.getLogger("yirage.autoconfig")
 
 SCHEMA = 1
 SOURCES = ("derived", "measured", "saved", "explicit", "default")
-#: what the PersistentKernel runtimes read; the other settings describe the device
-PK_KEYS = ("num_workers", "num_local_schedulers")
-_FIX = "delete it, or write a new one with `python tools/backend_manager.py optimize --backend {b} --apply`"
+#: what the PersistentKernel runtimes read (those whose kind honours them); the other settings describe the device
+PK_KEYS = CONFIG_FIELDS
+_FIX = "delete it, or write a new one with `python tools/yirage_backend_manager.py optimize --backend {b} --apply`"
 
 
 class SavedConfigError(settings.ConfigError):
@@ -366,7 +367,7 @@ def saved_for(backend: Backend, device: DeviceInfo) -> BackendConfig | None:
     here = fingerprint(backend, device)
     if cfg.fingerprint != here:
         logger.warning("ignoring the applied configuration of backend %r in %s: it was made for device %r, "
-                       "this one is %r; run `python tools/backend_manager.py optimize --backend %s --apply` to "
+                       "this one is %r; run `python tools/yirage_backend_manager.py optimize --backend %s --apply` to "
                        "configure this device", backend.name, applied_path(), cfg.fingerprint, here, backend.name)
         return None
     return cfg
@@ -397,6 +398,12 @@ def resolve_pk_config(backend: Backend, num_workers: Any = None, num_local_sched
     for key, value in (("num_workers", num_workers), ("num_local_schedulers", num_local_schedulers)):
         if value is not None:
             values[key] = Setting(int(value), "explicit", "passed by the caller")
+    kind = backend.persistent_kind
+    for key in PK_KEYS:  # a runtime that ignores a field says so, instead of storing it silently
+        ignored = kind.ignores(key) if isinstance(kind, RuntimeKind) else ""
+        if ignored and key in values:
+            s = values[key]
+            values[key] = Setting(s.value, s.source, f"{ignored}; {s.detail}", tunable=False)
     logger.debug("PersistentKernel on %r runs with %s", backend.name,
                  {k: (s.value, s.source) for k, s in values.items()})
     summary = device_summary(device) if device is not None else {"name": "(not described)"}

@@ -56,10 +56,13 @@ class ToyModel:
     vocab: int = 8192
     steps: int = 8  # decode steps per timed sample
 
-    def build(self, seed: int = 0) -> Any:
+    def build(self, seed: int = 0, backend: Backend | None = None) -> Any:
+        """The toy model with seeded random weights, on ``backend``'s device (default: the CPU)."""
         import torch
 
-        from yirage.models.llama import LlamaConfig, LlamaModel
+        from yirage.models.config import LlamaConfig
+        from yirage.models.llama import LlamaModel
+        from yirage.models.placement import Placement
 
         config = LlamaConfig.from_dict({
             "model_type": "llama", "hidden_size": self.hidden, "intermediate_size": self.intermediate,
@@ -68,7 +71,7 @@ class ToyModel:
         gen = torch.Generator().manual_seed(seed)
         weights = {name: torch.randn(shape, generator=gen) * (0.5 if len(shape) == 1 else shape[-1] ** -0.5)
                    for name, shape in config.weight_shapes().items()}
-        return LlamaModel(config, weights)
+        return LlamaModel(config, weights, placement=Placement.of_backend(backend) if backend else None)
 
 
 TINY = ToyModel(hidden=64, intermediate=128, layers=1, heads=4, kv_heads=2, vocab=256, steps=4)
@@ -115,8 +118,8 @@ def _decoder(model: Any, backend: Backend, pair: tuple[int, int], toy: ToyModel)
     import torch
 
     max_len = PROMPT + toy.steps + 2
-    tokens = torch.randint(0, toy.vocab, (1, max_len), generator=torch.Generator().manual_seed(1))
-    step = torch.tensor([PROMPT], dtype=torch.int64)
+    tokens = torch.randint(0, toy.vocab, (1, max_len), generator=torch.Generator().manual_seed(1)).to(model.device)
+    step = torch.tensor([PROMPT], dtype=torch.int64, device=model.device)
     pk = model.build_decoder(step, tokens, backend=backend, num_workers=pair[0], num_local_schedulers=pair[1],
                              tasks=4 if toy.hidden < 256 else 16)
     return pk, step, tokens
@@ -139,7 +142,7 @@ def sweep(backend: Backend, pairs: Sequence[tuple[int, int]], duration: float, t
     """Time a toy decode at every pair; rows fastest first: pair, median/min/max ms per step, samples, error."""
     import statistics
 
-    model = toy.build()
+    model = toy.build(backend=backend)
     model.reset_cache(1, PROMPT + toy.steps + 2)
     rows = [{"num_workers": w, "num_local_schedulers": s, "median_ms": None, "min_ms": None, "max_ms": None,
              "samples": 0, "error": None} for w, s in pairs]

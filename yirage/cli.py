@@ -1,4 +1,4 @@
-"""Command line: ``python -m yirage`` and ``tools/backend_manager.py``.
+"""Command line: ``python -m yirage`` and ``tools/yirage_backend_manager.py``.
 
 Subcommands: ``info`` (backends, plugins, host, default, and the active
 PersistentKernel configuration with the source of each value), ``set`` (save
@@ -121,7 +121,8 @@ _FLOAT_WEIGHTS = {"float32", "float16", "bfloat16"}
 
 
 def capability_cells(caps: dict[str, Any] | None) -> list[str]:
-    """The ``graphs`` and ``PK`` cells of a backend row: the dtypes it compiles, its PersistentKernel weights."""
+    """The ``graphs`` and ``PK`` cells of a backend row: the dtypes it compiles; its PersistentKernel runtime's
+    kind (persistent, launched, serial; ``yes`` where undeclared) and the quantized weights it reads."""
     if caps is None:
         return ["?", "?"]
     dtypes = set(caps["kernel_dtypes"])
@@ -133,7 +134,8 @@ def capability_cells(caps: dict[str, Any] | None) -> list[str]:
     else:
         graphs = ",".join(sorted(dtypes))
     extra = sorted(set(caps["weight_formats"]) - _FLOAT_WEIGHTS)
-    pk = ("yes" + (f"+{','.join(extra)}" if extra else "")) if caps["persistent"] else "no"
+    kind = caps.get("persistent_kind") or "yes"
+    pk = (kind + (f"+{','.join(extra)}" if extra else "")) if caps["persistent"] else "no"
     return [graphs, pk]
 
 
@@ -166,7 +168,8 @@ def print_info(info: dict[str, Any]) -> None:
             memory, f"{plugin['distribution']} {plugin['version']}".strip(),
         ])
     print(f"Backends ({len(info['backends'])} discovered; * = available, but auto passes over it; graphs = "
-          "kernel-graph dtypes it compiles; PK = PersistentKernel runtime, +quantized weights it reads)")
+          "kernel-graph dtypes it compiles; PK = PersistentKernel runtime: persistent (honours num_workers/"
+          "num_local_schedulers), launched or serial (ignore them), +quantized weights it reads)")
     print(_table(rows))
     print()
     print("Reasons")

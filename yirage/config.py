@@ -1,4 +1,4 @@
-"""The user's saved settings (``backend_manager.py set``), as a small JSON file.
+"""The user's saved settings (``yirage_backend_manager.py set``), as a small JSON file.
 
 Lives in ``$YIRAGE_CONFIG_DIR`` or ``$XDG_CONFIG_HOME/yirage`` or
 ``~/.config/yirage``. ``YIRAGE_BACKEND`` always wins over it.
@@ -65,14 +65,14 @@ def load() -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(
             f"the yirage settings file {path} cannot be read ({exc}); "
-            "delete it or fix it, e.g. with `python tools/backend_manager.py set auto`"
+            "delete it or fix it, e.g. with `python tools/yirage_backend_manager.py set auto`"
         ) from exc
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(
             f"the yirage settings file {path} is corrupted ({exc}); "
-            "delete it or fix it, e.g. with `python tools/backend_manager.py set auto`"
+            "delete it or fix it, e.g. with `python tools/yirage_backend_manager.py set auto`"
         ) from exc
     if not isinstance(data, dict):
         raise ConfigError(f"the yirage settings file {path} must hold a JSON object; delete it or fix it")

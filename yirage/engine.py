@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from yirage.locks import ForkSafeRLock
-from yirage.models.llama import LlamaModel, ModelError
+from yirage.models.config import ModelError, resolve_dtype
+from yirage.models.llama import LlamaModel
+from yirage.models.placement import Placement
 from yirage.persistent.guard import refuse_dispatch_modes
 
 SEED_LIMIT = 2**32  # sampling seeds mix with positions in int64 arithmetic on every runtime
@@ -122,7 +124,8 @@ class InferEngine:
                 num_workers = max(1, (os.cpu_count() or 1) // max(1, local))
             num_local_schedulers = 0 if num_local_schedulers is None else num_local_schedulers
         else:
-            self.model, self.world = load_model(model_path, dtype), None
+            _check_weight_format(self.backend, dtype)
+            self.model, self.world = load_model(model_path, dtype, Placement.of_backend(self.backend)), None
         self._model_path = model_path
         self._tokenizer: Any = _UNSET  # built on first use (a GGUF file's takes seconds), then kept
         self._tokenizer_error: str | None = None
@@ -195,8 +198,8 @@ class InferEngine:
             self.model.check_cache_fits(batch_size, max_len)  # before dropping anything
             self._decoders.clear()  # they address the old caches: drop them first
             self.model.reset_cache(batch_size, max_len)
-            self._tokens = torch.zeros(batch_size, max_len, dtype=torch.int64, device="cpu")
-            self._step = torch.zeros(batch_size, dtype=torch.int64, device="cpu")
+            self._tokens = torch.zeros(batch_size, max_len, dtype=torch.int64, device=self.model.device)
+            self._step = torch.zeros(batch_size, dtype=torch.int64, device=self.model.device)
 
     def forward(self, input_ids: Any, positions: Any = None) -> Any:
         """Logits (B, T, vocab) at ``positions`` (default 0..T-1), writing the KV cache made by reset_cache."""
@@ -206,23 +209,6 @@ class InferEngine:
             if positions is None and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
                 positions = torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], input_ids.shape[1])
             return self.model.forward(input_ids, positions)
-
-    def _pick(self, logits: Any, config: GenerationConfig) -> Any:
-        import torch
-
-        if config.temperature == 0:
-            return torch.argmax(logits, dim=-1)
-        scores = logits / config.temperature
-        if config.top_k:
-            kth = torch.topk(scores, min(config.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = torch.softmax(scores, -1)
-        if config.top_p < 1:
-            sorted_probs, idx = torch.sort(probs, descending=True, dim=-1)
-            keep = torch.cumsum(sorted_probs, -1) - sorted_probs < config.top_p
-            probs = torch.zeros_like(probs).scatter(-1, idx, sorted_probs * keep)
-        gen = torch.Generator().manual_seed(config.seed)
-        return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=gen)[:, 0]
 
     def encode(self, prompts: str | list[str]) -> Any:
         """Token ids (B, P) for text prompts (left-padded to one length), with the model's tokenizer."""
@@ -236,7 +222,8 @@ class InferEngine:
         return torch.tensor(rows, dtype=torch.int64)
 
     def _prompt_ids(self, input_ids: Any) -> Any:
-        """A (batch, prompt_len) int64 CPU tensor from text, token-id lists or a tensor; refuses the rest."""
+        """A (batch, prompt_len) int64 CPU tensor from text, token-id lists or a tensor on any device (a prompt is
+        small: it is checked on the CPU, then placed where the model is); refuses the rest."""
         import torch
 
         if isinstance(input_ids, str) or (isinstance(input_ids, (list, tuple)) and input_ids
@@ -261,9 +248,10 @@ class InferEngine:
         if input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
             raise ModelError(f"the prompt is empty (input_ids shape {tuple(input_ids.shape)}); pass at least one "
                              "token per row, e.g. the tokenizer's BOS id")
-        if input_ids.device.type != "cpu":
-            raise ModelError(f"input_ids are on {input_ids.device}; the prompt is read on the CPU: pass "
-                             "input_ids.cpu()")
+        if input_ids.device.type == "meta" or input_ids.is_sparse:
+            raise ModelError(f"input_ids must hold token ids (a dense tensor with data), got a {input_ids.layout} "
+                             f"tensor on {input_ids.device}")
+        input_ids = input_ids.cpu()
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab:
             raise ModelError(f"input_ids must lie in [0, vocab_size={self.config.vocab}), got values in "
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
@@ -313,15 +301,8 @@ class InferEngine:
                           "usually degrades. Shorten the prompt or lower max_new_tokens", stacklevel=3)
         self.reset_cache(batch, max_len)
         self._tokens.zero_()
-        start = time.perf_counter()
-        positions = torch.arange(prompt).expand(batch, prompt)
-        with self._lock:
-            logits = self.model.forward(input_ids, positions, last_only=True)[:, -1]
-        first = self._pick(logits, config)
-        ttft = time.perf_counter() - start
         self._tokens[:, :prompt] = input_ids
-        self._tokens[:, prompt] = first
-        self._step.fill_(prompt)
+        self._step.fill_(prompt - 1)  # the first token is picked at the prompt's last position
         sampling = None if config.temperature == 0 else {
             "temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p, "seed": config.seed}
         compile_start = time.perf_counter()
@@ -335,6 +316,16 @@ class InferEngine:
                                                **({"tasks": self.tasks_per_layer} if self.tasks_per_layer else {}))
             self._decoders[key] = decoder
         compile_s = time.perf_counter() - compile_start
+        start = time.perf_counter()
+        positions = torch.arange(prompt).expand(batch, prompt)  # host-known: the prefill moves what it indexes
+        with self._lock:
+            logits = self.model.forward(input_ids, positions, last_only=True)[:, -1]
+        # the decode kernel's own picker: a seeded generation draws every token from the runtime's one sampler
+        first = decoder.pick(logits)
+        self._tokens[:, prompt] = first
+        self._step.fill_(prompt)
+        first.cpu()  # the first token is known on the host now (on a GPU: the prefill and the pick have run)
+        ttft = time.perf_counter() - start
         decode_start = time.perf_counter()
         if config.output_logits:  # one step per call, reading the logits each step was picked from
             scores = [logits.float()]
@@ -342,11 +333,12 @@ class InferEngine:
             while steps < config.max_new_tokens - 1 and decoder(1):
                 steps += 1
                 scores.append(decoder.read("logits").float())
-            all_logits = torch.stack(scores, dim=1)
+            all_logits = torch.stack(scores, dim=1).cpu()
         else:
             steps, all_logits = decoder(config.max_new_tokens - 1), None
         decode_s = time.perf_counter() - decode_start
-        generated = self._tokens[:, prompt:prompt + 1 + steps].clone()
+        # the one copy to the host of a generation (a copy also on the CPU: the next generate reuses the buffer)
+        generated = self._tokens[:, prompt:prompt + 1 + steps].to("cpu", copy=True)
         pad = eos_ids[0] if eos_ids else 0
         lengths = []
         for row in generated:
@@ -375,8 +367,23 @@ def _is_message(m: Any) -> bool:
     return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
 
 
-def load_model(model_path: str | Path, dtype: Any = None) -> LlamaModel:
-    """A LlamaModel from a GGUF file or a Hugging Face directory (told apart by the file's magic bytes)."""
+def _check_weight_format(backend: Any, dtype: Any) -> None:
+    """Refuse, before reading any weight, a quantized dtype the backend's PersistentKernel runtime cannot read."""
+    fmt = resolve_dtype(dtype)
+    if isinstance(fmt, str) and fmt not in backend.persistent_weight_formats:
+        from yirage.backend.selection import registry
+
+        readers = [n for n in registry().names() if fmt in registry().get(n).persistent_weight_formats
+                   and registry().get(n).availability().ok]
+        raise ModelError(f"dtype={fmt!r}: backend {backend.name!r}'s PersistentKernel runtime does not read {fmt} "
+                         f"blocks (it reads {', '.join(sorted(backend.persistent_weight_formats))}); use a backend "
+                         f"that does ({', '.join(readers) or 'none available here'}), or a float dtype such as "
+                         "'bfloat16' on this one")
+
+
+def load_model(model_path: str | Path, dtype: Any = None, placement: Placement | None = None) -> LlamaModel:
+    """A LlamaModel from a GGUF file or a Hugging Face directory (told apart by the file's magic bytes), with every
+    tensor on ``placement``'s device (default: the CPU)."""
     from yirage.models.gguf import is_gguf_file
 
     try:
@@ -384,8 +391,8 @@ def load_model(model_path: str | Path, dtype: Any = None) -> LlamaModel:
     except TypeError:
         path = None  # from_pretrained names the wrong type
     if path is not None and (is_gguf_file(path) or (path.suffix.lower() == ".gguf" and not path.is_dir())):
-        return LlamaModel.from_gguf(path, dtype)  # a .gguf that is not one gets from_gguf's clear error
-    return LlamaModel.from_pretrained(model_path, dtype)
+        return LlamaModel.from_gguf(path, dtype, placement)  # a .gguf that is not one gets from_gguf's clear error
+    return LlamaModel.from_pretrained(model_path, dtype, placement)
 
 
 def _gguf_tokenizer(info: Any) -> tuple[Any, str | None]:

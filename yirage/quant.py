@@ -86,7 +86,7 @@ def dequantize(blocks: Any, fmt: str, k: int) -> Any:
     b = blocks.reshape(*lead, k // BLOCK, BLOCK_BYTES[fmt])
     d = b[..., :2].contiguous().view(torch.float16).to(torch.float32)  # (..., nb, 1)
     qs = b[..., 2:]
-    out = torch.empty(*lead, k // BLOCK, BLOCK, dtype=torch.float32)  # written in place: one pass per step
+    out = torch.empty(*lead, k // BLOCK, BLOCK, dtype=torch.float32, device=blocks.device)  # one pass, in place
     if fmt == "q8_0":
         out.copy_(qs.view(torch.int8))
     else:

@@ -1,7 +1,7 @@
 """Facts about the host: CPU model, cores, caches, SIMD width, RAM.
 
 Read from the OS (``/proc``, ``/sys``, ``sysctl``) and psutil, memoized; the
-CPU backends and ``backend_manager info`` describe the host with them.
+CPU backends and ``yirage_backend_manager info`` describe the host with them.
 """
 
 from __future__ import annotations

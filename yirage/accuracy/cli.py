@@ -1,4 +1,4 @@
-"""The ``compare`` and ``dump`` subcommands of ``python -m yirage`` / ``tools/backend_manager.py``."""
+"""The ``compare`` and ``dump`` subcommands of ``python -m yirage`` / ``tools/yirage_backend_manager.py``."""
 
 from __future__ import annotations
 

@@ -74,7 +74,13 @@ def dump_model(model_path: str | os.PathLike[str], output: str | os.PathLike[str
     from yirage.engine import load_model
 
     selection = Selection(mode, tokens, ops)
-    model = load_model(model_path, dtype) if model is None else model
+    if model is None:  # the fused dump decodes on the backend: its weights and caches live there
+        from yirage.backend.selection import resolve
+        from yirage.models.placement import Placement
+
+        placement = None if unfused else Placement.of_backend(resolve(backend, "dump_model(backend=...)",
+                                                                      need="persistent"))
+        model = load_model(model_path, dtype, placement)
     c = model.config
     seq = prompt_ids(c.vocab, ids, steps, batch, seed)
     b, n = seq.shape
@@ -103,9 +109,9 @@ def dump_model(model_path: str | os.PathLike[str], output: str | os.PathLike[str
         return writer.close()
 
     model.reset_cache(b, n + 1)
-    token_buf = torch.zeros(b, n + 1, dtype=torch.int64)
+    token_buf = torch.zeros(b, n + 1, dtype=torch.int64, device=model.device)
     token_buf[:, :n] = seq
-    step = torch.zeros(b, dtype=torch.int64)
+    step = torch.zeros(b, dtype=torch.int64, device=model.device)
     pk = model.build_decoder(step, token_buf, backend=backend, eos_token_id=None)
     check_decoder(kernels, pk)
     writer = DumpWriter(output, {**meta, "kind": "fused", "backend": pk.backend.name,

@@ -12,7 +12,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from yirage.models.llama import LlamaModel, dense, rope_tables
+from yirage.models.llama import LlamaModel
+from yirage.models.prefill import rope_tables
+from yirage.models.weights import dense
 from yirage.quant import QuantizedTensor
 
 Record = Callable[[str, list[Any], list[Any]], None]
@@ -31,7 +33,7 @@ class UnfusedLlama:
         self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
         cos, sin = rope_tables(c, max_len)
         self.cos, self.sin = cos.to(f64), sin.to(f64)
-        wide = lambda t: dense(t).to(f64)  # noqa: E731 - quantized matrices dequantized, then widened
+        wide = lambda t: dense(t).to("cpu", f64)  # noqa: E731 - dequantized, widened, on the oracle's CPU
         self.blocks = [{k: wide(v) for k, v in blk.items()} for blk in model.blocks]
         self.norm, self.lm_head = wide(model.norm), wide(model.lm_head)
 
@@ -39,8 +41,9 @@ class UnfusedLlama:
         import torch
 
         table = self.model.embed
+        ids = ids.to(self.model.device)
         rows = table.dequantize(ids) if isinstance(table, QuantizedTensor) else table[ids]
-        return rows.to(torch.float64)
+        return rows.to("cpu", torch.float64)
 
     def step(self, ids: Any, pos: int, record: Record) -> Any:
         """Run one decode step for token ids (B, 1) at position ``pos``; returns the greedy next ids (B, 1)."""

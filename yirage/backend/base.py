@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from yirage.backend.runtime_contract import RUNTIME_KINDS, PersistentRuntime, RuntimeKind
 from yirage.errors import NotSupportedError, PluginError
 
 if TYPE_CHECKING:
@@ -95,6 +96,9 @@ class Capabilities:
     kernel_dtypes: frozenset[str]
     persistent: bool
     weight_formats: frozenset[str]
+    #: how its PersistentKernel runtime runs a step (yirage.persistent.runtime.RUNTIME_KINDS: "persistent",
+    #: "launched", "serial"); "" without a runtime, or where the backend does not declare it
+    persistent_kind: str = ""
 
     def missing(self, need: str, dtypes: frozenset[str] = frozenset()) -> str:
         """Why this backend cannot serve ``need`` (for ``dtypes``), as a phrase; '' when it can."""
@@ -113,7 +117,8 @@ class Capabilities:
     def as_dict(self) -> dict[str, Any]:
         """Plain data with sorted lists, for ``info --json``."""
         return {"kernel_graphs": self.kernel_graphs, "kernel_dtypes": sorted(self.kernel_dtypes),
-                "persistent": self.persistent, "weight_formats": sorted(self.weight_formats)}
+                "persistent": self.persistent, "weight_formats": sorted(self.weight_formats),
+                "persistent_kind": self.persistent_kind}
 
 
 class Backend:
@@ -214,13 +219,17 @@ class Backend:
     #: weight formats its PersistentKernel runtime reads: float dtypes, and quantized block formats
     #: (yirage.quant: "q8_0", "q4_0") only where its task bodies dequantize them
     persistent_weight_formats: ClassVar[frozenset[str]] = frozenset({"float32", "bfloat16", "float16"})
+    #: how the runtime ``persistent_runtime`` returns runs a step, declared so that ``info`` and
+    #: ``PersistentKernel.config`` can say which configuration fields it ignores without building one
+    #: (yirage.persistent.runtime: PERSISTENT, LAUNCHED or SERIAL); None: not declared
+    persistent_kind: ClassVar[RuntimeKind | None] = None
     #: optional: a method ``compile_check(self)`` for machines without the device, compiling every
     #: conformance-kit kernel without running it; returns an object with ``ok: bool`` and ``summary() -> str``
-    #: (``backend_manager.py test NAME`` runs it when the backend is unavailable here)
+    #: (``yirage_backend_manager.py test NAME`` runs it when the backend is unavailable here)
     compile_check: ClassVar[Any] = None
     #: optional: a method ``kernel_path(self)`` for backends with more than one compiler path (the domestic
     #: ones: the vendor's Triton or the torch lowering); returns an object with ``path: str``, ``reason: str`` and
-    #: ``summary() -> str`` (``backend_manager.py info`` shows it, also for unavailable backends)
+    #: ``summary() -> str`` (``yirage_backend_manager.py info`` shows it, also for unavailable backends)
     kernel_path: ClassVar[Any] = None
 
     def compile(self, plan: Any, graph: Any) -> Any:
@@ -284,12 +293,14 @@ class Backend:
         """What the build is for (GPU arch, thread count...), part of every cache key; '' for one target."""
         return ""
 
-    def persistent_runtime(self, program: Any, config: Any) -> Any:
+    def persistent_runtime(self, program: Any, config: Any) -> PersistentRuntime:
         """Build the runtime that runs a frozen PersistentProgram (``yirage.persistent.program``).
 
         The program holds the tensors, layers, task graph and descriptor rows with named columns
         (``yirage.persistent.specs``); a runtime reads only the program, so a backend adds task
-        bodies for the LayerSpec kinds and nothing else.
+        bodies for the LayerSpec kinds and nothing else. What the runtime must do (run / value / stop,
+        Ctrl-C, the config fields it honours): ``yirage.persistent.runtime.PersistentRuntime``; its
+        ``kind`` must be ``persistent_kind``.
         """
         raise NotSupportedError(
             f"backend {self.name!r} has no PersistentKernel runtime yet"
@@ -329,7 +340,8 @@ class Backend:
         dtypes = frozenset(self.kernel_dtypes) if compiles else frozenset()
         persistent = cls.persistent_runtime is not Backend.persistent_runtime
         formats = frozenset(self.persistent_weight_formats) if persistent else frozenset()
-        return Capabilities(bool(dtypes), dtypes, persistent, formats)
+        kind = self.persistent_kind if persistent else None
+        return Capabilities(bool(dtypes), dtypes, persistent, formats, kind.name if kind is not None else "")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
@@ -485,6 +497,9 @@ def checked_capabilities(backend: Backend) -> Capabilities:
                 problems.append(f"{name}={safe_repr(names)} (not a frozenset of str)")
         if not problems and caps.kernel_graphs != bool(caps.kernel_dtypes):
             problems.append("kernel_graphs must be True exactly when kernel_dtypes names the dtypes it compiles")
+        if not problems and caps.persistent_kind not in ("", *(RUNTIME_KINDS if caps.persistent else ())):
+            problems.append(f"persistent_kind={safe_repr(caps.persistent_kind)} (one of {', '.join(RUNTIME_KINDS)} "
+                            "for a backend with a PersistentKernel runtime, else '')")
     if problems:
         raise PluginError(
             f"{plugin_label(backend)}: capabilities() {'; '.join(problems)} "

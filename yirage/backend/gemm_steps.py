@@ -3,24 +3,17 @@
 A ``host_gemm`` dialect (CUDA and HIP: the vendor BLAS; OpenCL on a CPU device that shares host memory: the
 host's BLAS) gets large matmuls split into prologue kernel, ``Gemm`` step and epilogue kernel
 (``yirage.codegen.cstyle_matmul``). The step is ``torch.matmul`` on views of the call's buffers; this module
-reads a step back from launch metadata and runs it. ``torch.as_strided`` refuses a view that does not fit its
-tensor's storage, so no view reaches the BLAS beyond the memory of its buffer.
+runs a step read back from the launch header (``yirage.codegen.launch``). ``torch.as_strided`` refuses a view
+that does not fit its tensor's storage, so no view reaches the BLAS beyond the memory of its buffer.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from yirage.codegen.cstyle_matmul import Gemm
+from yirage.codegen.launch import Gemm
 
-__all__ = ["Gemm", "gemm_from_json", "run_gemm"]
-
-_DIMS = ("a_dims", "a_strides", "b_dims", "b_strides", "out_dims")
-
-
-def gemm_from_json(data: dict[str, Any]) -> Gemm:
-    """A ``Gemm`` from its launch-metadata form (``dataclasses.asdict``: tuples came back as lists)."""
-    return Gemm(**{key: tuple(int(x) for x in value) if key in _DIMS else str(value) for key, value in data.items()})
+__all__ = ["Gemm", "run_gemm"]
 
 
 def run_gemm(gemm: Gemm, tensors: dict[str, Any]) -> None:

@@ -21,10 +21,11 @@ backend's own.
 Launches pass ``triton_launch_options`` (default ``enable_fp_fusion=False``: no
 multiply-add contraction, IEEE results as the C-family renderer's).
 
-Stages: ``render`` is one comment line of JSON (buffers, launches, scratch,
-status checks) on top of ``render_triton``'s module; ``build`` writes it as
-``kernels.py`` in the cache entry; ``load`` imports that file (one module per
-cache entry and process) and returns a ``TritonProgram``, which allocates
+Stages: ``render`` is the launch header (``yirage.codegen.launch``: buffers,
+launches, scratch, status checks; one ``#`` comment line) on top of
+``render_triton``'s module; ``build`` writes it as ``kernels.py`` in the cache
+entry; ``load`` imports that file (one module per cache entry and process:
+``Artifact.load_once``) and returns a ``TritonProgram``, which allocates
 outputs, temporaries and zeroed scratch on ``torch_device`` per call and
 launches each kernel on its grid. Nothing here imports triton until a plan is
 compiled: ``import yirage`` stays light.
@@ -35,19 +36,15 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-import json
 import math
 import os
 import sys
-import threading
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from yirage.codegen.cstyle import Check, Scratch
+from yirage.codegen.launch import PYTHON_COMMENT, LaunchHeader, TritonLaunch
 from yirage.errors import BackendError
 
-META_PREFIX = "# yirage-launch: "
 SOURCE_NAME = "kernels.py"
 #: every dtype the Triton renderer computes in (float16/bfloat16 widened to float32)
 TRITON_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
@@ -68,19 +65,11 @@ def triton_version() -> str:
 
 
 def render_source(plan: Any) -> str:
-    """``render_triton(plan)``'s module behind one JSON comment line: buffers, launches, scratch, checks."""
+    """``render_triton(plan)``'s module behind its launch header: buffers, launches, scratch, checks."""
     from yirage.codegen.triton import render_triton
 
     rendered = render_triton(plan)
-    meta = {
-        "inputs": [[n, plan.buffers[n].index, plan.buffers[n].dtype.name] for n in plan.inputs],
-        "buffers": [[b.name, list(b.dims), b.dtype.name, b.role] for b in plan.buffers.values()
-                    if b.role != "input"],
-        "outputs": plan.outputs,
-        "launches": [asdict(x) for x in rendered.launches],
-        "scratch": [asdict(s) for s in rendered.scratch],
-    }
-    return META_PREFIX + json.dumps(meta, separators=(",", ":")) + "\n" + rendered.source
+    return LaunchHeader.of(plan, rendered.launches, rendered.scratch).write(rendered.source, PYTHON_COMMENT)
 
 
 class TritonStages:
@@ -106,13 +95,8 @@ class TritonStages:
 
     def load(self, artifact: Any) -> TritonProgram:
         """Stage 3: import the module (once per process and cache entry) and wrap it in a launcher."""
-        with _MODULES_LOCK:
-            program = _PROGRAMS.get(artifact.key)
-            if program is None or artifact.rebuilt:
-                program = TritonProgram(_import(artifact.path, artifact.key), self.torch_device,
-                                        dict(self.triton_launch_options))
-                _PROGRAMS[artifact.key] = program
-        return program
+        return artifact.load_once(lambda: TritonProgram(_import(artifact.path, artifact.key), self.torch_device,
+                                                        dict(self.triton_launch_options)))
 
     def triton_device_target(self) -> str:
         """What the kernels are compiled for: ``interpreter``, or the active driver's GPUTarget."""
@@ -133,10 +117,6 @@ class TritonStages:
         own = super().fingerprint()  # type: ignore[misc]  # Backend.fingerprint: the backend's package
         return (f"{own}|triton-renderer {RENDERER_VERSION} {source_fingerprint(codegen)}|"
                 f"{source_fingerprint(Path(__file__).resolve().parent)}|triton {triton_version()}")
-
-
-_PROGRAMS: dict[str, TritonProgram] = {}  # cache key -> loaded program
-_MODULES_LOCK = threading.Lock()
 
 
 def _import(path: Path, key: str) -> Any:
@@ -168,16 +148,16 @@ class TritonProgram:
     """
 
     def __init__(self, module: Any, device: str, options: dict[str, Any] | None = None) -> None:
-        header, _, _ = Path(module.__file__).read_text(encoding="utf-8").partition("\n")
-        meta = json.loads(header.removeprefix(META_PREFIX))
+        meta = LaunchHeader.read(Path(module.__file__).read_text(encoding="utf-8"), module.__file__, PYTHON_COMMENT)
         self.module, self.device = module, device
         self.options = {"enable_fp_fusion": False} if options is None else options
-        self.inputs = [(n, i) for n, i, _ in meta["inputs"]]
-        self.buffers = [(n, tuple(dims), d, role) for n, dims, d, role in meta["buffers"]]
-        self.outputs = meta["outputs"]
-        self.launches = [(getattr(module, x["kernel"]), x) for x in meta["launches"]]
-        self.checks = [Check(**x["check"]) for x in meta["launches"] if x["check"]]
-        self.scratch = [Scratch(**s) for s in meta["scratch"]]
+        self.inputs = [(n, i) for n, i, _ in meta.inputs]
+        self.buffers = list(meta.buffers)
+        self.outputs = list(meta.outputs)
+        launches: list[TritonLaunch] = list(meta.launches)  # a Python header holds TritonLaunch records
+        self.launches = [(getattr(module, x.kernel), x) for x in launches]
+        self.checks = [x.check for x in launches if x.check]
+        self.scratch = list(meta.scratch)
 
     def __call__(self, inputs: Any) -> list[Any]:
         import torch
@@ -199,14 +179,12 @@ class TritonProgram:
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with on_device, _quiet_numpy() if interpreting() else contextlib.nullcontext():
             for kernel, launch in self.launches:
-                params = dict(launch["constexprs"])
-                grid = launch["programs"] * math.prod(-(-extent // params[name]) for extent, name in launch["tiles"])
                 try:
-                    kernel[(max(1, grid),)](*[tensors[a] for a in launch["args"]], **params,
-                                            num_warps=launch["num_warps"], **self.options)
+                    kernel[launch.grid](*[tensors[a] for a in launch.args], **launch.params,
+                                        num_warps=launch.num_warps, **self.options)
                 except Exception as exc:
                     raise TritonLaunchError(
-                        f"Triton failed on kernel {launch['kernel']} of {self.module.__file__} "
+                        f"Triton failed on kernel {launch.kernel} of {self.module.__file__} "
                         f"({type(exc).__name__}: {exc}). This is a bug in yirage's Triton renderer or in the "
                         "installed Triton; report it with the graph (g.to_json())") from exc
         for check in self.checks:
@@ -227,5 +205,5 @@ def _quiet_numpy() -> Any:
         yield
 
 
-__all__ = ["META_PREFIX", "TRITON_DTYPES", "TritonLaunchError", "TritonProgram", "TritonStages", "interpreting",
+__all__ = ["TRITON_DTYPES", "TritonLaunchError", "TritonProgram", "TritonStages", "interpreting",
            "render_source", "triton_version"]

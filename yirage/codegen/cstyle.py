@@ -30,12 +30,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from yirage.codegen import cstyle_matmul, indexing
-from yirage.codegen.cstyle_matmul import Gemm
 from yirage.codegen.dialect import Dialect, check_supported
 from yirage.codegen.emit import Emitter
 from yirage.codegen.exprs import Spelling, compute_type, spell_expr
-from yirage.codegen.indexing import IndexSyntax
-from yirage.compiler.indexing import broadcast_strides
+from yirage.codegen.indexing import IndexSyntax, broadcast_strides
+from yirage.codegen.launch import Check, Gemm, Launch, Scratch
 from yirage.compiler.kernel_ir import (
     Attention,
     Embedding,
@@ -54,41 +53,6 @@ GROUP = 64  # work-group size of element-wise kernels
 FLAT_GROUP = 256  # work-group size of pointwise kernels over contiguous memory (PoCL vectorizes across them)
 ROW_GROUP_MAX = 256  # work-group size of row kernels (a power of two, at most this)
 SUFFIX = {"float32": "f32", "float64": "f64", "int32": "i32", "int64": "i64"}
-
-
-@dataclass(frozen=True)
-class Scratch:
-    """A buffer the launcher allocates for one call: ``count`` elements of ``dtype`` (zero-filled)."""
-
-    name: str
-    count: int
-    dtype: str
-
-
-@dataclass(frozen=True)
-class Check:
-    """After the call, a nonzero ``status[0]`` means bad input: raise ``error`` with ``message``.
-
-    ``message`` may use ``{pos}`` (status - 1) and ``{value}`` (buffer ``value_of`` at flat ``pos``).
-    """
-
-    status: str
-    error: str  # "IndexError" or "ValueError"
-    message: str
-    value_of: str = ""
-
-
-@dataclass(frozen=True)
-class Launch:
-    kernel: str
-    args: tuple[str, ...]
-    groups: int
-    local: int
-    check: Check | None = None
-
-    @property
-    def global_size(self) -> int:
-        return self.groups * self.local
 
 
 @dataclass(frozen=True)
@@ -134,7 +98,6 @@ class _Renderer:
 
     def table(self, ct: str) -> dict[str, Spelling]:
         m, s = self.d.math, SUFFIX[ct]
-        one = self.const(1.0, ct)
         table: dict[str, Spelling] = {
             "add": lambda a: f"({a[0]} + {a[1]})", "sub": lambda a: f"({a[0]} - {a[1]})",
             "mul": lambda a: f"({a[0]} * {a[1]})", "div": lambda a: f"({a[0]} / {a[1]})",
@@ -147,7 +110,6 @@ class _Renderer:
             table["silu"] = lambda a: f"y_silu_{s}({a[0]})"
         if "sqrt" in m:
             table["sqrt"] = lambda a: f"{m['sqrt']}({a[0]})"
-            table["rsqrt"] = lambda a: f"({one} / {m['sqrt']}({a[0]}))"
         if "pow" in m:
             table["pow"] = lambda a: f"{m['pow']}({a[0]}, {a[1]})"
         if "erf" in m:

@@ -50,17 +50,17 @@ float32), so results can stay IEEE.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from yirage.codegen import indexing
+from yirage.codegen.dialect import Dialect
+from yirage.codegen.emit import Emitter
 from yirage.codegen.exprs import compute_type
-from yirage.compiler.indexing import broadcast_strides
-from yirage.compiler.kernel_ir import Load, Matmul, Var, loads
+from yirage.codegen.indexing import IndexSyntax, broadcast_strides
+from yirage.codegen.launch import Check, Gemm, Launch
+from yirage.compiler.kernel_ir import Buffer, Expr, Load, Matmul, Var, loads
 from yirage.graph.kernel_graph import contiguous_strides
-
-if TYPE_CHECKING:
-    from yirage.codegen.cstyle import _Renderer
 
 GROUP = 64  # work-group size of the naive and prologue kernels
 BLOCK_GROUP = 64  # work-group size of the blocked kernels
@@ -84,37 +84,37 @@ SPLIT_K_UNROLL = 4  # rows of B added per pass over the partial row (in order: o
 SPLIT_K_SUM_COLS = 64  # consecutive outputs per work-item of the kernel summing the partials
 
 
-@dataclass(frozen=True)
-class Gemm:
-    """A step between kernels: ``out = a @ b`` by the backend's BLAS (torch.matmul) on views of plan buffers.
+class Renderer(Protocol):
+    """What the matmul kernels use of the C-family renderer that calls them (``cstyle._Renderer``).
 
-    ``a`` is contiguous over ``a_dims`` (batch + (M, K)); ``b`` is viewed with ``b_dims``/``b_strides``
-    (batch + (K, N), stride 0 on a broadcast batch dim; without its own batch dims B is just (K, N)),
-    ``out`` is contiguous over ``out_dims`` (batch + (M, N)); all hold ``dtype`` (float32 or float64).
-    ``fallback`` computes the Matmul's whole output (epilogue included) from ``a`` and B: a backend that
-    must not use its BLAS (e.g. TF32 allowed for float32) launches it in place of this step and skips
-    the ``epilogue`` kernel ("" when the GEMM writes the Matmul's output itself).
+    The renderer hands itself in; this module sees only these members, so it never imports ``cstyle``.
     """
 
-    name: str  # the Matmul kernel this step belongs to
-    a: str
-    a_dims: tuple[int, ...]
-    a_strides: tuple[int, ...]
-    b: str
-    b_dims: tuple[int, ...]
-    b_strides: tuple[int, ...]
-    out: str
-    out_dims: tuple[int, ...]
-    dtype: str
-    fallback: str
-    epilogue: str = ""
+    d: Dialect
+    buffers: dict[str, Buffer]
+    narrow: dict[str, str]  # graph buffers stored as float16/bfloat16 -> that dtype
+    emit: Emitter
+    ix: IndexSyntax
+    steps: list[Launch | Gemm]
+
+    def ctype(self, ct: str) -> str: ...
+    def const(self, value: float, ct: str) -> str: ...
+    def expr(self, e: Expr, load: Callable[[Load], str], ct: str) -> str: ...
+    def read(self, name: str, off: str) -> str: ...
+    def write(self, name: str, off: str, value: str) -> str: ...
+    def loader(self, space: Sequence[int], idx: Sequence[str], ct: str) -> Callable[[Load], str]: ...
+    def add_scratch(self, name: str, count: int, dtype: str) -> str: ...
+    def kernel(self, name: str, args: Sequence[str], groups: int, local: int, check: Check | None = None,
+               step: bool = True) -> None: ...
+    def gid(self, total: int) -> None: ...
+    def close(self) -> None: ...
 
 
 def _divisor(n: int, choices: tuple[int, ...]) -> int:
     return next(c for c in (*choices, 1) if n % c == 0)
 
 
-def matmul(r: _Renderer, k: Matmul) -> None:
+def matmul(r: Renderer, k: Matmul) -> None:
     """Emit ``k``: its prologue if A needs one, then the product in the shape B's layout allows.
 
     With a ``host_gemm`` dialect and a large float product: prologue, ``Gemm`` step, epilogue kernel,
@@ -149,7 +149,7 @@ def matmul(r: _Renderer, k: Matmul) -> None:
         _naive(r, k, ct, nb, a_src, args, name=name, step=step)
 
 
-def _split_k(r: _Renderer, k: Matmul, sn: int) -> bool:
+def _split_k(r: Renderer, k: Matmul, sn: int) -> bool:
     """Whether ``k`` is a GEMV worth splitting over K: a ``gemv_split_k`` dialect, M = 1, B contiguous along N."""
     return (r.d.gemv_split_k and k.m == 1 and sn == 1 and k.k * k.n >= SPLIT_K_MIN_KN
             and k.k >= 2 * SPLIT_K_MIN_ROWS)
@@ -167,7 +167,7 @@ def split_k_groups(kdim: int) -> tuple[int, int]:
     return -(-kdim // kc), kc
 
 
-def _host_gemm(r: _Renderer, k: Matmul, ct: str, nb: int) -> bool:
+def _host_gemm(r: Renderer, k: Matmul, ct: str, nb: int) -> bool:
     """Whether ``k`` goes to the host's GEMM: a host_gemm dialect, a float product big enough, B plain at ``ct``."""
     b = r.buffers[k.b]
     return (r.d.host_gemm and ct in ("float32", "float64") and k.m >= r.d.host_gemm_min_m
@@ -175,7 +175,7 @@ def _host_gemm(r: _Renderer, k: Matmul, ct: str, nb: int) -> bool:
             and k.b not in r.narrow and compute_type(b) == ct)
 
 
-def _gemm_steps(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str) -> str:
+def _gemm_steps(r: Renderer, k: Matmul, ct: str, nb: int, a_src: str) -> str:
     """Add the ``Gemm`` step (and the epilogue kernel after it); return the name of the fallback product kernel."""
     direct = k.epilogue == Var("acc") and k.out not in r.narrow
     acc = k.out if direct else r.add_scratch(f"s_{k.name}_acc", nb * k.m * k.n, ct)
@@ -191,7 +191,7 @@ def _gemm_steps(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str) -> str:
     return fallback
 
 
-def _split_epilogue(r: _Renderer, k: Matmul, ct: str, nb: int, acc: str) -> None:
+def _split_epilogue(r: Renderer, k: Matmul, ct: str, nb: int, acc: str) -> None:
     """One work-item per output element: out = epilogue(``acc[gid]``), the GEMM step's result."""
     total = nb * k.m * k.n
     r.kernel(k.name, list(dict.fromkeys([k.out, acc] + loads(k.epilogue))), -(-total // EPILOGUE_GROUP),
@@ -203,7 +203,7 @@ def _split_epilogue(r: _Renderer, k: Matmul, ct: str, nb: int, acc: str) -> None
     r.close()
 
 
-def _plain_a(r: _Renderer, k: Matmul) -> str | None:
+def _plain_a(r: Renderer, k: Matmul) -> str | None:
     if isinstance(k.a, Load) and not k.a.rotate_half:
         b = r.buffers[k.a.buffer]
         if b.dims == k.a_space and b.strides == contiguous_strides(b.dims):
@@ -211,7 +211,7 @@ def _plain_a(r: _Renderer, k: Matmul) -> str | None:
     return None
 
 
-def _prologue(r: _Renderer, k: Matmul, ct: str, nb: int, a_names: list[str]) -> str:
+def _prologue(r: Renderer, k: Matmul, ct: str, nb: int, a_names: list[str]) -> str:
     """One work-item per row of A writes it to scratch, scaled by a fused RMSNorm's rsqrt."""
     emit, t, it = r.emit, r.ctype(ct), r.d.index_type
     scale = k.row_scale is not None
@@ -239,7 +239,7 @@ def _prologue(r: _Renderer, k: Matmul, ct: str, nb: int, a_names: list[str]) -> 
     return a_src
 
 
-def _epilogue(r: _Renderer, k: Matmul, ct: str, bidx: list[str], value: str, out_off: str = "") -> None:
+def _epilogue(r: Renderer, k: Matmul, ct: str, bidx: list[str], value: str, out_off: str = "") -> None:
     """Write output (``qb``, ``mm``, ``nn``) = epilogue(``value``); A's rows carry the RMSNorm scale already."""
     t = r.ctype(ct)
     r.emit(f"{t} v_acc = {value};")
@@ -249,7 +249,7 @@ def _epilogue(r: _Renderer, k: Matmul, ct: str, bidx: list[str], value: str, out
     r.emit(r.write(k.out, out_off or f"(qb * {k.m} + mm) * {k.n} + nn", r.expr(k.epilogue, load, ct)))
 
 
-def _block_frame(r: _Renderer, k: Matmul, nb: int, args: list[str], mb: int, nw: int,
+def _block_frame(r: Renderer, k: Matmul, nb: int, args: list[str], mb: int, nw: int,
                  strides: tuple[int, ...], name: str, step: bool) -> list[str]:
     """Open a blocked kernel: work-item -> (qb, m0, n0) with the M block fastest; A's and B's base offsets."""
     emit, it = r.emit, r.d.index_type
@@ -270,7 +270,7 @@ def _block_frame(r: _Renderer, k: Matmul, nb: int, args: list[str], mb: int, nw:
     return bidx
 
 
-def _dot(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str, args: list[str], strides: tuple[int, ...],
+def _dot(r: Renderer, k: Matmul, ct: str, nb: int, a_src: str, args: list[str], strides: tuple[int, ...],
          mb: int, nbk: int, vw: int, name: str, step: bool) -> None:
     emit, t, it = r.emit, r.ctype(ct), r.d.index_type
     sn = strides[-1]
@@ -310,7 +310,7 @@ def _dot(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str, args: list[str],
     r.close()
 
 
-def _rows(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str, args: list[str], strides: tuple[int, ...],
+def _rows(r: Renderer, k: Matmul, ct: str, nb: int, a_src: str, args: list[str], strides: tuple[int, ...],
           mb: int, vw: int, name: str, step: bool) -> None:
     emit, t, it = r.emit, r.ctype(ct), r.d.index_type
     sk = strides[-2]
@@ -335,7 +335,7 @@ def _rows(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str, args: list[str]
     r.close()
 
 
-def _gemv_split_k(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str, strides: tuple[int, ...],
+def _gemv_split_k(r: Renderer, k: Matmul, ct: str, nb: int, a_src: str, strides: tuple[int, ...],
                   name: str, step: bool) -> None:
     """The split-K GEMV (M = 1, B contiguous along N): partial rows per K slice, then their sum and the epilogue.
 
@@ -412,7 +412,7 @@ def _gemv_split_k(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str, strides
     r.close()
 
 
-def _naive(r: _Renderer, k: Matmul, ct: str, nb: int, a_src: str, args: list[str], name: str, step: bool) -> None:
+def _naive(r: Renderer, k: Matmul, ct: str, nb: int, a_src: str, args: list[str], name: str, step: bool) -> None:
     """One work-item per output element (B neither K- nor N-contiguous, or N has no usable divisor)."""
     emit, t, it = r.emit, r.ctype(ct), r.d.index_type
     total = nb * k.m * k.n

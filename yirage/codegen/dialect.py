@@ -11,19 +11,19 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from yirage.codegen.exprs import UnsupportedExprError, compute_type
+from yirage.codegen.exprs import UnsupportedExprError, check_primitive, compute_type
 from yirage.compiler.kernel_ir import FUNCTIONS, Call, Expr, KernelPlan, Matmul, Pointwise, Row
 
 #: the math-library names each IR function needs from a dialect ("" = plain operators only)
 NEEDS: dict[str, tuple[str, ...]] = {
     "add": (), "sub": (), "mul": (), "div": (), "max": (), "min": (), "relu": (), "square": (), "neg": (),
-    "exp": ("exp",), "silu": ("exp",), "sqrt": ("sqrt",), "rsqrt": ("sqrt",), "pow": ("pow",),
+    "exp": ("exp",), "silu": ("exp",), "sqrt": ("sqrt",), "pow": ("pow",),
     "gelu": ("erf",),
 }
 assert set(NEEDS) == set(FUNCTIONS), "every IR function needs an entry in NEEDS"
 
 #: IR functions that only make sense on floating-point values
-FLOAT_ONLY = frozenset({"exp", "silu", "sqrt", "rsqrt", "pow", "gelu", "div"})
+FLOAT_ONLY = frozenset({"exp", "silu", "sqrt", "pow", "gelu", "div"})
 
 
 @dataclass(frozen=True)
@@ -100,11 +100,13 @@ def plan_functions(plan: KernelPlan) -> dict[str, set[str]]:
 
 def check_supported(plan: KernelPlan, dialect: Dialect) -> None:
     """Raise one clear error naming every function or dtype of ``plan`` that ``dialect`` cannot spell."""
+    for fn in plan_functions(plan):
+        check_primitive(fn, f"C-family ({dialect.name})")
     missing = sorted(fn for fn in plan_functions(plan) if fn not in dialect.functions)
     if missing:
         raise UnsupportedExprError(
             f"the {dialect.name} dialect cannot spell the IR function(s) {', '.join(missing)} (its math library "
-            f"lacks {', '.join(sorted({n for fn in missing for n in NEEDS[fn]} - set(dialect.math)))}); "
+            f"lacks {', '.join(sorted({n for fn in missing for n in NEEDS.get(fn, ())} - set(dialect.math)))}); "
             f"add the spelling to yirage/codegen/dialects/{dialect.name}.py, or compile with another backend "
             "(e.g. backend='cpu' or 'reference')")
     ints = sorted(fn for fn, cts in plan_functions(plan).items() if fn in FLOAT_ONLY and cts & {"int32", "int64"})

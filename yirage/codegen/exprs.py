@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from yirage.compiler.decompose import COMPOSITES
 from yirage.compiler.kernel_ir import Buffer, Call, Const, Expr, Load, Var
 from yirage.errors import NotSupportedError
 
@@ -27,6 +28,14 @@ def compute_type(buffer: Buffer) -> str:
     return "float32" if name in ("float16", "bfloat16") else name
 
 
+def check_primitive(fn: str, renderer: str) -> None:
+    """Refuse a composite IR function with the pass that removes it: renderers spell primitives only."""
+    if fn in COMPOSITES:
+        raise UnsupportedExprError(
+            f"the {renderer} renderer met the composite IR function {fn!r}: renderers spell primitives only; "
+            "rewrite the plan with yirage.compiler.decompose.decompose_plan first (build_plan does)")
+
+
 def spell_expr(expr: Expr, *, load: Callable[[Load], str], var: Callable[[Var], str],
                const: Callable[[Const], str], table: Mapping[str, Spelling], renderer: str) -> str:
     """Spell ``expr`` bottom-up: leaves through ``load``/``var``/``const``, calls through ``table``."""
@@ -38,6 +47,7 @@ def spell_expr(expr: Expr, *, load: Callable[[Load], str], var: Callable[[Var], 
         return const(expr)
     spell = table.get(expr.fn)
     if spell is None:
+        check_primitive(expr.fn, renderer)
         raise UnsupportedExprError(
             f"the {renderer} renderer has no spelling for the IR function {expr.fn!r} (it spells "
             f"{', '.join(sorted(table))}); add it to the renderer's table, or compile with a backend "
@@ -46,7 +56,7 @@ def spell_expr(expr: Expr, *, load: Callable[[Load], str], var: Callable[[Var], 
                   for a in expr.args])
 
 
-_COSTLY = {"exp": 8, "silu": 8, "gelu": 12, "pow": 12, "sqrt": 2, "rsqrt": 2, "div": 2}
+_COSTLY = {"exp": 8, "silu": 8, "gelu": 12, "pow": 12, "sqrt": 2, "div": 2}
 
 
 def expr_cost(expr: Expr) -> int:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from yirage.codegen.exprs import UnsupportedExprError, compute_type
+from yirage.codegen.exprs import UnsupportedExprError, check_primitive, compute_type
 from yirage.compiler.kernel_ir import (
     FUNCTIONS,
     Attention,
@@ -82,7 +82,7 @@ def _functions(is_float: bool) -> dict[str, Callable[..., Any]]:
     }
     if is_float:
         table.update({
-            "pow": torch.pow, "exp": torch.exp, "sqrt": torch.sqrt, "rsqrt": lambda a: 1.0 / torch.sqrt(a),
+            "pow": torch.pow, "exp": torch.exp, "sqrt": torch.sqrt,
             "silu": lambda a: a / (1.0 + torch.exp(-a)),
             "gelu": lambda a: 0.5 * a * (1.0 + torch.erf(a * 0.7071067811865476)),
         })
@@ -101,6 +101,8 @@ def _compile_expr(expr: Expr, ct: str, table: dict[str, Callable[..., Any]]) -> 
         value = int(expr.value) if ct.startswith("int") else float(expr.value)
         return lambda env: value
     fn = table.get(expr.fn)
+    if fn is None:
+        check_primitive(expr.fn, "torch-device lowering")
     if fn is None or FUNCTIONS.get(expr.fn) != len(expr.args):
         raise UnsupportedExprError(
             f"the torch-device lowering has no {ct} definition of the IR function {expr.fn!r} with "

@@ -53,7 +53,7 @@ class Var:
 
 @dataclass(frozen=True)
 class Call:
-    fn: str  # one of FUNCTIONS
+    fn: str  # one of FUNCTIONS, or before ``decompose_plan`` a composite of yirage.compiler.decompose
     args: tuple[Expr, ...]
 
     def __str__(self) -> str:
@@ -62,10 +62,12 @@ class Call:
 
 Expr = Load | Const | Var | Call
 
-#: fn -> arity; renderers must spell each of these.
+#: fn -> arity: the primitives, all a renderer spells. Composites (rsqrt, sigmoid, ...) are defined in
+#: primitives in yirage.compiler.decompose and rewritten after lowering; silu, gelu, relu and square are
+#: composites still spelled whole, each for the reason in decompose.KEPT.
 FUNCTIONS = {
     "add": 2, "sub": 2, "mul": 2, "div": 2, "pow": 2, "max": 2, "min": 2,
-    "exp": 1, "sqrt": 1, "rsqrt": 1, "silu": 1, "gelu": 1, "relu": 1, "square": 1, "neg": 1,
+    "exp": 1, "sqrt": 1, "neg": 1, "silu": 1, "gelu": 1, "relu": 1, "square": 1,
 }
 
 

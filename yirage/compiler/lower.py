@@ -1,11 +1,13 @@
-"""Lowering: fusion groups -> kernel IR, with the buffers they read and write."""
+"""Lowering: fusion groups -> kernel IR, with the buffers they read and write; then composites -> primitives."""
 
 from __future__ import annotations
 
 import math
 
+from yirage.compiler.decompose import DECOMPOSITIONS, clamp, decompose_plan
 from yirage.compiler.fusion import Group, partition
 from yirage.compiler.kernel_ir import (
+    FUNCTIONS,
     Attention,
     Buffer,
     Call,
@@ -23,7 +25,8 @@ from yirage.compiler.kernel_ir import (
 )
 from yirage.graph.kernel_graph import KernelGraph, Node, contiguous_strides
 
-_POINTWISE_FN = {"exp", "silu", "gelu", "sqrt", "relu", "square", "add", "sub", "mul", "div", "pow"}
+#: pointwise graph ops that lower to the IR function of the same name (composites are rewritten later)
+_POINTWISE_FN = frozenset(FUNCTIONS) | frozenset(DECOMPOSITIONS)
 
 
 class _Lowerer:
@@ -59,12 +62,7 @@ class _Lowerer:
         if node.op in _POINTWISE_FN:
             return Call(node.op, tuple(args))
         if node.op == "clamp":
-            out = args[0]
-            if node.attrs["min_val"] is not None:
-                out = Call("max", (out, Const(node.attrs["min_val"])))
-            if node.attrs["max_val"] is not None:
-                out = Call("min", (out, Const(node.attrs["max_val"])))
-            return out
+            return clamp(args[0], node.attrs["min_val"], node.attrs["max_val"])
         if node.op == "rotary":
             x = self.buffer_of[node.inputs[0]]
             rotated = Load(x, rotate_half=True)
@@ -168,4 +166,4 @@ def build_plan(graph: KernelGraph) -> KernelPlan:
 
     if not graph.outputs:
         raise GraphError("the kernel graph has no outputs: call g.mark_output(t) before running or compiling it")
-    return _Lowerer(graph).plan()
+    return decompose_plan(_Lowerer(graph).plan())

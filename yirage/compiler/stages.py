@@ -11,6 +11,10 @@ carries a manifest with the sha256 of every file ``build`` produced; a file
 that no longer matches (a crash mid-write, an edit, disk damage) is rebuilt
 with a warning instead of being loaded. Entries are 0700 and checked with
 cache.py's ownership rules before anything in them is trusted.
+
+What ``load`` returns is kept for the process by ``Artifact.load_once`` (``loaded.py``: one cache, one
+lock for every backend), so a plan compiled again, by another graph object or thread, reuses the loaded
+program instead of importing or compiling it again; a rebuilt entry is loaded again.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from yirage.compiler.cache import check_private, check_tree, private_dir, private_root, write_private
+from yirage.compiler.loaded import load_once
 from yirage.errors import PluginError
 
 logger = logging.getLogger("yirage.compiler")
@@ -33,10 +38,11 @@ logger = logging.getLogger("yirage.compiler")
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 KEY_CHARS = 24  # 96 bits of the digest name an entry
+T = TypeVar("T")
 
 
-class Backend(Protocol):
-    """The stages ``compile_cached`` drives (``yirage.backend.base.Backend`` documents them)."""
+class StagedBackend(Protocol):
+    """The stages ``compile_cached`` drives (``yirage.backend.base.Backend`` implements and documents them)."""
 
     name: str
 
@@ -65,6 +71,11 @@ class Artifact:
         """The main file (the first one ``build`` returned)."""
         return self.directory / self.files[0]
 
+    def load_once(self, load: Callable[[], T], scope: Hashable = ()) -> T:
+        """``load()`` once per process for this entry, and again after it was rebuilt; what a backend's
+        ``load`` wraps its loading in. ``scope``: what else the program depends on (e.g. the device index)."""
+        return load_once(self.key, load, scope=scope, reload=self.rebuilt)
+
 
 def sha256_hex(data: bytes) -> str:
     """The default digest of cache keys and manifests."""
@@ -80,7 +91,7 @@ def cache_key(source: str, fingerprint: str, target: str, digest: Callable[[byte
 _lock = threading.Lock()  # check-then-build of one entry at a time in this process; writes are atomic across processes
 
 
-def compile_cached(backend: Backend, plan: Any, *, root: Path | None = None) -> Any:
+def compile_cached(backend: StagedBackend, plan: Any, *, root: Path | None = None) -> Any:
     """``backend.load(artifact)`` for ``plan``, building the artifact only when the cache has no sound entry.
 
     ``root``: the cache root (default: ``cache_root()``).
@@ -120,7 +131,7 @@ def _plan_name(plan: Any) -> str:
     return digest[:12] if isinstance(digest, str) else type(plan).__name__
 
 
-def _text(backend: Backend, what: str, value: Any) -> str:
+def _text(backend: StagedBackend, what: str, value: Any) -> str:
     if not isinstance(value, str):
         raise PluginError(f"backend {backend.name!r}: {what} returned {type(value).__name__}, not str; "
                           "a bug in the plugin: report it to its authors")
@@ -163,7 +174,7 @@ def _inside(entry: Path, path: Path) -> bool:
     return path.resolve().is_relative_to(entry.resolve()) and path.name != MANIFEST
 
 
-def _build(backend: Backend, source: str, entry: Path, key: str, fingerprint: str, target: str) -> Artifact:
+def _build(backend: StagedBackend, source: str, entry: Path, key: str, fingerprint: str, target: str) -> Artifact:
     """Run ``backend.build`` in ``entry``, check what it returned and record it in the manifest."""
     produced = backend.build(source, entry)
     paths: Sequence[Any] = [produced] if isinstance(produced, (str, Path)) else produced

@@ -16,8 +16,8 @@ from typing import Any
 from yirage.distributed.collectives import all_gather_rows, all_reduce_, argmax_shards
 from yirage.distributed.sharding import RankShard
 from yirage.distributed.world import DistributedError, current_group
-from yirage.models.llama import ModelError, attend, dense, gated_mlp, rope_tables
-from yirage.quant import QuantizedTensor
+from yirage.models.config import ModelError
+from yirage.models.prefill import kv_caches, prefill_logits, rope_tables
 
 
 class ReferenceTP:
@@ -39,24 +39,19 @@ class ReferenceTP:
         self.cos = self.sin = None
 
     def reset_cache(self, batch_size: int, max_len: int) -> None:
-        """Zeroed float32 KV caches for this rank's KV heads, and RoPE tables for ``max_len`` positions."""
-        import torch
-
-        c = self.config
-        shape = (batch_size, c.kv_heads, max_len, c.head_dim)
-        self.k_cache = [torch.zeros(shape) for _ in range(c.layers)]
-        self.v_cache = [torch.zeros(shape) for _ in range(c.layers)]
-        self.cos, self.sin = rope_tables(c, max_len)
+        """Zeroed float32 KV caches for this rank's KV heads, and RoPE tables for ``max_len`` positions, on the
+        shard's device."""
+        device = self.shard.norm.device
+        self.k_cache = self.v_cache = []  # the old caches go before the new ones are made
+        self.k_cache, self.v_cache = kv_caches(self.config, batch_size, max_len, device)
+        self.cos, self.sin = rope_tables(self.config, max_len, device)
 
     def _reduce(self, partial: Any, label: str) -> Any:
         return all_reduce_(partial.contiguous(), label) if self.plan.world_size > 1 else partial
 
     def forward(self, input_ids: Any, positions: Any, last_only: bool = False) -> Any:
         """This rank's logits (B, T, its vocabulary rows) for ``input_ids`` at ``positions``, writing the caches."""
-        import torch
-        import torch.nn.functional as F
-
-        c, full = self.config, self.plan.config
+        full = self.plan.config
         if not self.k_cache:
             raise ModelError("call reset_cache(batch_size, max_len) before forward")
         b, t = input_ids.shape
@@ -65,17 +60,9 @@ class ReferenceTP:
         if positions.shape != (b, t) or int(positions.min()) < 0 or int(positions.max()) >= self.k_cache[0].shape[2]:
             raise ModelError(f"positions must be a (B, T) = {(b, t)} tensor within the cache length; call "
                              "reset_cache with a longer max_len")
-        f32, embed = torch.float32, self.shard.embed
-        x = embed.dequantize(input_ids) if isinstance(embed, QuantizedTensor) else embed[input_ids].to(f32)
-        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # (B, T, 1, D)
-        for i, blk in enumerate(self.shard.blocks):
-            attn = attend(x, blk, cos, sin, positions, self.k_cache[i], self.v_cache[i], c) @ dense(blk["o"]).t()
-            x = x + self._reduce(attn, f"layer {i} o_proj all-reduce")  # partial sums over this rank's heads
-            x = x + self._reduce(gated_mlp(x, blk, c), f"layer {i} down_proj all-reduce")
-        if last_only:
-            x = x[:, -1:]
-        x = F.rms_norm(x, (c.hidden,), self.shard.norm.to(f32), c.eps)
-        return x @ dense(self.shard.lm_head).t()
+        sh = self.shard
+        return prefill_logits(self.config, sh.embed, sh.blocks, sh.norm, sh.lm_head, self.k_cache, self.v_cache,
+                              self.cos, self.sin, input_ids, positions, last_only, self._reduce)
 
     def argmax(self, local_logits: Any, label: str = "lm_head argmax") -> tuple[Any, Any]:
         """(value, global token id) of the largest logit over every rank's shard (ties: the lowest id)."""

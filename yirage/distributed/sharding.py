@@ -1,6 +1,6 @@
 """The tensor-parallel split of a Llama-family model over N ranks, and loaders that read only a rank's slices.
 
-Megatron's split, in LlamaModel's decode layout (yirage/models/llama.py):
+Megatron's split, in LlamaModel's decode layout (yirage/models/weights.py):
 
 - ``qkv`` column-parallel by KV head groups: rank r holds KV heads
   ``r*kv/N .. (r+1)*kv/N`` and the query heads that attend with them, in the
@@ -28,15 +28,15 @@ column slices of ``o`` and ``down`` must fall on 32-column block boundaries
 from __future__ import annotations
 
 import dataclasses
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from yirage.distributed.world import DistributedError
-from yirage.models.llama import LlamaConfig, LlamaModel, ModelError, check_model_dir, load_config, resolve_dtype
-from yirage.quant import BLOCK, QuantizedTensor, quantize
+from yirage.models.config import LlamaConfig, ModelError, check_model_dir, load_config, resolve_dtype
+from yirage.models.weights import Reader, Slices, decode_weights
+from yirage.quant import BLOCK, QuantizedTensor
 
 
 class ShardError(DistributedError, ModelError):
@@ -148,71 +148,27 @@ class RankShard:
         return sum(seen.values())
 
 
-#: reads rows (and columns) of one checkpoint tensor, named as in LlamaConfig.weight_shapes(), as a float tensor
-Reader = Callable[[str, "slice | None", "slice | None"], Any]
-
-
-def fused_qkv_order(plan: ShardPlan) -> Any:
-    """Row order of cat(q, k, v) of one rank's heads in LlamaModel's fused layout ([q of g | k_g | v_g] per g)."""
-    return LlamaModel._qkv_order(types.SimpleNamespace(config=plan.local_config()))
-
-
-def _quant_rows(t: QuantizedTensor, start: int, stop: int) -> QuantizedTensor:
-    return QuantizedTensor(t.blocks[start:stop], t.format, (stop - start, t.shape[1]))
-
-
-def build_shard(plan: ShardPlan, rank: int, read: Reader, dtype: Any = None, has_lm_head: bool = True) -> RankShard:
-    """Rank ``rank``'s weights from ``read`` (which returns only the requested slice), cast like LlamaModel does.
+def build_shard(plan: ShardPlan, rank: int, read: Reader, dtype: Any = None, has_lm_head: bool = True,
+                device: Any = "cpu") -> RankShard:
+    """Rank ``rank``'s weights from ``read`` (which returns only the requested slice), in the one decode layout
+    (yirage.models.weights.decode_weights), placed on ``device``.
 
     ``dtype``: None (the checkpoint's), a float dtype, or "q8_0"/"q4_0" (matrices quantized; must match the plan).
     """
-    import torch
-
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.world_size:
         raise ShardError(f"rank={rank!r} must be an int in [0, {plan.world_size}) for a {plan.world_size}-rank plan")
-    c, d, g = plan.config, plan.config.head_dim, plan.config.group
-    dtype = resolve_dtype(dtype)
-    fmt = dtype if isinstance(dtype, str) else None
+    d, g = plan.config.head_dim, plan.config.group
+    fmt = resolve_dtype(dtype)
+    fmt = fmt if isinstance(fmt, str) else None
     if fmt != plan.fmt:
         raise ShardError(f"dtype={fmt or dtype!r} but the plan was made for {plan.fmt or 'float'} matrices; pass "
                          f"fmt={fmt!r} to plan_shards")
-    if fmt:
-        dtype = torch.float32
-    cast = (lambda t: t.to(dtype).contiguous()) if dtype is not None else (lambda t: t.contiguous())
-    matrix = (lambda t: quantize(t, fmt)) if fmt else cast
-    k0, k1 = plan.kv_range(rank)
-    f0, f1 = plan.ff_range(rank)
-    v0, v1 = plan.vocab_range(rank)
-    q_rows, kv_rows = slice(k0 * g * d, k1 * g * d), slice(k0 * d, k1 * d)
-    q_cols = slice(k0 * g * d, k1 * g * d)  # o_proj's input columns: this rank's query heads
-    order = fused_qkv_order(plan)
-    embed = matrix(read("embed_tokens.weight", None, None))
-    if has_lm_head:
-        lm_head = matrix(read("lm_head.weight", slice(v0, v1), None))
-    elif isinstance(embed, QuantizedTensor):
-        lm_head = _quant_rows(embed, v0, v1)
-    else:
-        lm_head = embed[v0:v1]  # tied: a view of the replicated embedding
-    shard = RankShard(plan, rank, embed, cast(read("norm.weight", None, None)), lm_head)
-    for i in range(c.layers):
-        p = f"layers.{i}."
-        rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
-        qkv = torch.cat([read(p + f"self_attn.{x}_proj.weight", rows[x], None) for x in "qkv"])[order]
-        ff = slice(f0, f1)
-        block = {
-            "ln1": cast(read(p + "input_layernorm.weight", None, None)),
-            "qkv": matrix(qkv),
-            "o": matrix(read(p + "self_attn.o_proj.weight", None, q_cols)),
-            "ln2": cast(read(p + "post_attention_layernorm.weight", None, None)),
-            "gate_up": matrix(torch.cat([read(p + "mlp.gate_proj.weight", ff, None),
-                                         read(p + "mlp.up_proj.weight", ff, None)])),
-            "down": matrix(read(p + "mlp.down_proj.weight", None, ff)),
-        }
-        if c.qkv_bias:
-            block["qkv_bias"] = cast(torch.cat([read(p + f"self_attn.{x}_proj.bias", rows[x], None)
-                                                for x in "qkv"])[order])
-        shard.blocks.append(block)
-    return shard
+    (k0, k1), (f0, f1), (v0, v1) = plan.kv_range(rank), plan.ff_range(rank), plan.vocab_range(rank)
+    slices = Slices(q_rows=slice(k0 * g * d, k1 * g * d), kv_rows=slice(k0 * d, k1 * d), ff=slice(f0, f1),
+                    vocab=slice(v0, v1))
+    w = decode_weights(plan.config, read, dtype, has_lm_head=has_lm_head, device=device, slices=slices,
+                       local=plan.local_config())
+    return RankShard(plan, rank, w.embed, w.norm, w.lm_head, w.blocks)
 
 
 def _checked_reader(config: LlamaConfig, raw: Callable[[str], Any], slicer: Callable[[Any, Any, Any], Any],
@@ -231,7 +187,7 @@ def _checked_reader(config: LlamaConfig, raw: Callable[[str], Any], slicer: Call
 
 
 def shard_state_dict(config: LlamaConfig, weights: dict[str, Any], world_size: int, rank: int,
-                     dtype: Any = None) -> RankShard:
+                     dtype: Any = None, device: Any = "cpu") -> RankShard:
     """Rank ``rank``'s shard of an in-memory Hugging Face state dict (names with or without ``model.``)."""
     w = {k.removeprefix("model."): v for k, v in weights.items()}
 
@@ -247,10 +203,11 @@ def shard_state_dict(config: LlamaConfig, weights: dict[str, Any], world_size: i
     fmt = resolve_dtype(dtype)
     plan = plan_shards(config, world_size, fmt if isinstance(fmt, str) else None)
     tied = "lm_head.weight" not in w and config.tie_embeddings
-    return build_shard(plan, rank, _checked_reader(config, raw, slicer, "the state dict"), dtype, not tied)
+    return build_shard(plan, rank, _checked_reader(config, raw, slicer, "the state dict"), dtype, not tied, device)
 
 
-def load_shard(model_dir: str | Path, world_size: int, rank: int, dtype: Any = None) -> RankShard:
+def load_shard(model_dir: str | Path, world_size: int, rank: int, dtype: Any = None,
+               device: Any = "cpu") -> RankShard:
     """Rank ``rank``'s shard of a Hugging Face model directory, reading only its slices of the safetensors files."""
     from safetensors import safe_open
 
@@ -283,10 +240,11 @@ def load_shard(model_dir: str | Path, world_size: int, rank: int, dtype: Any = N
         return view.clone(memory_format=torch.contiguous_format)
 
     tied = "lm_head.weight" not in where and config.tie_embeddings
-    return build_shard(plan, rank, _checked_reader(config, raw, slicer, str(path)), dtype, not tied)
+    return build_shard(plan, rank, _checked_reader(config, raw, slicer, str(path)), dtype, not tied, device)
 
 
-def load_gguf_shard(path: str | Path, world_size: int, rank: int, dtype: Any = None) -> RankShard:
+def load_gguf_shard(path: str | Path, world_size: int, rank: int, dtype: Any = None,
+                    device: Any = "cpu") -> RankShard:
     """Rank ``rank``'s shard of a GGUF file: rows and columns are sliced in the file's memory map, then only the
     slice is dequantized (quantized column slices must start and end on block boundaries)."""
     import numpy as np
@@ -342,5 +300,5 @@ def load_gguf_shard(path: str | Path, world_size: int, rank: int, dtype: Any = N
 
     float_dtype = torch.float32 if fmt is None else dtype  # as read_gguf: float32 unless asked otherwise
     tied = "lm_head.weight" not in tensors
-    return build_shard(plan, rank, _checked_reader(config, raw, slicer, str(path)), float_dtype, not tied)
+    return build_shard(plan, rank, _checked_reader(config, raw, slicer, str(path)), float_dtype, not tied, device)
 

@@ -32,18 +32,26 @@ from typing import Any
 
 from yirage.distributed.reference_tp import ReferenceTP
 from yirage.distributed.sharding import RankShard
-from yirage.models.llama import DEFAULT_TASKS, LlamaConfig, ModelError, decoder_blocks, divisor_near, pick_and_compile
+from yirage.models.config import LlamaConfig
+from yirage.models.decoder import DecoderParts, Sharding, build_decoder
+from yirage.models.placement import Placement
+from yirage.models.prefill import kv_cache_bytes
 
 
 class TPModel:
     """This rank's shard, KV caches and RoPE tables; see the module docstring."""
 
-    def __init__(self, shard: RankShard, gguf: Any = None) -> None:
+    def __init__(self, shard: RankShard, gguf: Any = None, placement: Placement | None = None) -> None:
         self.shard = shard
         self.reference = ReferenceTP(shard)  # checks that this process is the shard's rank
         self.plan = shard.plan
         self.rank, self.world_size = shard.rank, shard.plan.world_size
         self.gguf = gguf  # a GGUFInfo when loaded from a GGUF file (the engine's tokenizer reads it)
+        self.placement = placement or Placement.host()  # where the shard was loaded (open_tp_model)
+
+    @property
+    def device(self) -> Any:
+        return self.placement.device
 
     @property
     def config(self) -> LlamaConfig:
@@ -59,16 +67,10 @@ class TPModel:
         return self.reference.v_cache
 
     def check_cache_fits(self, batch_size: int, max_len: int) -> None:
-        """Refuse a KV cache (this rank's KV heads) larger than the memory available now."""
-        import psutil
-
-        c = self.plan.local_config()
-        kv = 2 * c.layers * batch_size * c.kv_heads * max_len * c.head_dim * 4
-        available = psutil.virtual_memory().available
-        if kv > available:
-            raise ModelError(f"rank {self.rank}'s KV cache for batch {batch_size} x {max_len} positions would need "
-                             f"{kv / 2**30:.3g} GB, but only {available / 2**30:.3g} GB is available; lower "
-                             "max_new_tokens (or the prompt length or batch size), or use more ranks")
+        """Refuse a KV cache (this rank's KV heads) larger than the memory available now on this rank's device."""
+        self.placement.check_fits(kv_cache_bytes(self.plan.local_config(), batch_size, max_len),
+                                  f"rank {self.rank}'s KV cache for batch {batch_size} x {max_len} positions",
+                                  "lower max_new_tokens (or the prompt length or batch size), or use more ranks")
 
     def reset_cache(self, batch_size: int, max_len: int) -> None:
         self.check_cache_fits(batch_size, max_len)
@@ -95,37 +97,19 @@ def build_tp_decoder(model: TPModel, step: Any, tokens: Any, backend: Any = None
                      num_local_schedulers: int | None = None, eos_token_id: Any = None,
                      sampling: dict[str, Any] | None = None, profiler_tensor: Any = None,
                      tasks: int | None = None) -> Any:
-    """The per-rank task graph of the module docstring, compiled for ``backend``."""
-    import torch
-
-    from yirage.persistent.kernel import PersistentKernel
+    """The per-rank task graph of the module docstring (yirage.models.decoder with a Sharding), compiled for
+    ``backend``."""
+    from yirage.models.config import ModelError
 
     ref, shard, plan = model.reference, model.shard, model.plan
-    c, full, batch = plan.local_config(), plan.config, tokens.shape[0]
-    if not ref.k_cache or ref.k_cache[0].shape[0] != batch:
+    if not ref.k_cache or ref.k_cache[0].shape[0] != tokens.shape[0]:
         raise ModelError("call reset_cache(batch_size, max_len) with the tokens' batch size first")
-    max_len = ref.k_cache[0].shape[2]
-    pk = PersistentKernel(world_size=model.world_size, mpi_rank=model.rank, num_workers=num_workers,
-                          num_local_schedulers=num_local_schedulers, max_seq_length=max_len,
-                          eos_token_id=eos_token_id, meta_tensors=[step, tokens], profiler_tensor=profiler_tensor,
-                          backend=backend)
-    if tasks is None:
-        tasks = int(pk.config.values().get("tasks_per_layer") or DEFAULT_TASKS)
-    att = pk.attach_input
-    cos, sin = att(ref.cos, "rope_cos"), att(ref.sin, "rope_sin")
-    # rank 0 adds the residual before the sum, the others add zeros: the all-reduce then adds it exactly once
-    zeros = None if model.rank == 0 else att(torch.zeros(batch, c.hidden), "zero_residual")
-    x = pk.new_tensor((batch, c.hidden), name="x0")
-    pk.embed_layer(pk.tokens_tensor, att(shard.embed, "embed"), x, grid_dim=divisor_near(c.hidden, tasks))
-    x = decoder_blocks(pk, c, shard.blocks, ref.k_cache, ref.v_cache, cos, sin, x, tasks,
-                       reduce=lambda part, out, label: pk.allreduce_layer(part, out, label=label), zeros=zeros)
-    v0, v1 = shard.vocab_range
-    local = pk.new_tensor((batch, v1 - v0), name="local_logits")
-    pk.rmsnorm_linear_layer(x, att(shard.norm, "final_norm"), att(shard.lm_head, "lm_head"), local,
-                            grid_dim=divisor_near(v1 - v0, 2 * tasks), eps=c.eps)
-    logits = pk.new_tensor((batch, full.vocab), name="logits")
-    pk.allgather_layer(local, logits, label="lm_head logits all-gather", shard_width=plan.vocab_per_rank)
-    return pick_and_compile(pk, logits, sampling)
+    parts = DecoderParts(plan.local_config(), shard.embed, shard.norm, shard.lm_head, shard.blocks, ref.k_cache,
+                         ref.v_cache, ref.cos, ref.sin,
+                         Sharding(model.world_size, model.rank, plan.config.vocab, plan.vocab_per_rank))
+    return build_decoder(parts, step, tokens, backend=backend, num_workers=num_workers,
+                         num_local_schedulers=num_local_schedulers, eos_token_id=eos_token_id, sampling=sampling,
+                         profiler_tensor=profiler_tensor, tasks=tasks)
 
 
 def open_tp_model(model_path: Any, tp: int, backend: Any, dtype: Any = None) -> tuple[TPModel, Any]:
@@ -139,12 +123,13 @@ def open_tp_model(model_path: Any, tp: int, backend: Any, dtype: Any = None) -> 
         raise DistributedError(f"tp={tp}, but this process is {world} ({world.source}): start {tp} ranks with "
                                f"torchrun --nproc-per-node {tp} (or mpirun -n {tp}) and pass the same tp, or pass "
                                f"tp={world.world_size}")
-    shard_model = _load_shard(model_path, tp, world.rank, dtype)
+    placement = Placement.of_backend(backend, local_index=world.local_rank)  # one device per rank of a machine
+    shard, gguf = _load_shard(model_path, tp, world.rank, dtype, placement.device)
     init_world(backend, world=world)
-    return TPModel(*shard_model), world
+    return TPModel(shard, gguf, placement), world
 
 
-def _load_shard(model_path: Any, world_size: int, rank: int, dtype: Any) -> tuple[RankShard, Any]:
+def _load_shard(model_path: Any, world_size: int, rank: int, dtype: Any, device: Any) -> tuple[RankShard, Any]:
     from pathlib import Path
 
     from yirage.distributed.sharding import load_gguf_shard, load_shard
@@ -152,5 +137,5 @@ def _load_shard(model_path: Any, world_size: int, rank: int, dtype: Any) -> tupl
 
     path = Path(model_path)
     if is_gguf_file(path) or (path.suffix.lower() == ".gguf" and not path.is_dir()):
-        return load_gguf_shard(path, world_size, rank, dtype), read_config(open_gguf(path), path)[1]
-    return load_shard(path, world_size, rank, dtype), None
+        return load_gguf_shard(path, world_size, rank, dtype, device), read_config(open_gguf(path), path)[1]
+    return load_shard(path, world_size, rank, dtype, device), None

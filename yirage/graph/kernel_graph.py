@@ -175,6 +175,7 @@ class KernelGraph:
     def exp(self, t: Tensor) -> Tensor: return self._op("exp", t)
     def silu(self, t: Tensor) -> Tensor: return self._op("silu", t)
     def gelu(self, t: Tensor) -> Tensor: return self._op("gelu", t)
+    def sigmoid(self, t: Tensor) -> Tensor: return self._op("sigmoid", t)
     def relu(self, t: Tensor) -> Tensor: return self._op("relu", t)
     def sqrt(self, t: Tensor) -> Tensor: return self._op("sqrt", t)
     def square(self, t: Tensor) -> Tensor: return self._op("square", t)

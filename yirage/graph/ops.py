@@ -286,6 +286,7 @@ for _name, _fn in {
     "silu": lambda x: _t().nn.functional.silu(x),
     "gelu": lambda x: _t().nn.functional.gelu(x),
     "sqrt": lambda x: _t().sqrt(x),
+    "sigmoid": lambda x: _t().sigmoid(x),
 }.items():
     _register(OpSpec(_name, "pointwise", 1, infer_unary_float(_name), _fn))
 _register(OpSpec("relu", "pointwise", 1, infer_unary_any, lambda x: _t().relu(x)))

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from yirage.errors import NotSupportedError
-from yirage.models.llama import LlamaConfig, ModelError, resolve_dtype
+from yirage.models.config import LlamaConfig, ModelError, resolve_dtype
 
 GGUF_MAGIC = b"GGUF"
 ARCHITECTURES = ("llama", "qwen2")  # llama.cpp's names; "llama" also covers Mistral

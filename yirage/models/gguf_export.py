@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from yirage.errors import NotSupportedError
+from yirage.models.config import LlamaConfig, ModelError
 from yirage.models.gguf import GGUFError, gguf_name, metadata, open_gguf
-from yirage.models.llama import LlamaConfig, ModelError
 
 DTYPES = ("F32", "BF16", "F16", "Q8_0", "Q4_0")
 QUANT_BLOCK = 32  # values per Q8_0 / Q4_0 block: a row must hold whole blocks

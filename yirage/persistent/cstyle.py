@@ -29,36 +29,29 @@ import numpy as np
 
 from yirage.codegen.dialect import Dialect
 from yirage.codegen.emit import Emitter
+from yirage.codegen.launch import Launch
 from yirage.errors import NotSupportedError
-from yirage.persistent import cstyle_sample
+from yirage.persistent import control, cstyle_sample
+from yirage.persistent.control import Ctl, CtlError
 from yirage.persistent.program import PersistentProgram
+from yirage.persistent.runtime import SINGLE_DEVICE, TaskBodies
 from yirage.persistent.specs import FloatCol, IntCol
 
 RENDERER_VERSION = "1"
 GROUP = 64  # work-group size of GEMV, norm and argmax kernels (a power of two)
 MAX_LOCAL_FLOATS = 4096  # a GEMV's partial sums: GROUP x batch floats of local memory at most
 
-# the control buffer (int64): what the host reads after every step
-CTL_ALIVE, CTL_STEPS, CTL_ERROR, CTL_ERR_ROW, CTL_ERR_VALUE = range(5)
-CTL_ACTIVE = 8  # ctl[CTL_ACTIVE + b]: row b decodes in this step
-
-#: internal buffers every rendering uses besides the program's tensors: name -> (dtype, what it holds)
+#: internal buffers every rendering uses besides the program's tensors (CTL: the control buffer, laid out
+#: by yirage.persistent.control)
 CTL, STEP, XS, SCORES = "ctl", "step", "xs", "scores"
 
 
 @dataclass(frozen=True)
-class PKLaunch:
-    """One kernel launch: ``args`` name buffers (``t<index>`` for program tensors, or CTL/STEP/XS/SCORES)."""
+class PKLaunch(Launch):
+    """A kernel-graph ``Launch`` of a PersistentKernel step: ``args`` name buffers (``t<index>`` for program
+    tensors, or CTL/STEP/XS/SCORES), ``layer`` the program layer it runs (-1: begin/commit)."""
 
-    kernel: str
-    args: tuple[str, ...]
-    groups: int
-    local: int
-    layer: int = -1  # the program layer it runs (-1: begin/commit)
-
-    @property
-    def global_size(self) -> int:
-        return self.groups * self.local
+    layer: int = -1
 
 
 @dataclass(frozen=True)
@@ -141,7 +134,7 @@ class _Renderer:
             self.emit("")
             for line in text.replace("@(", f"{name}(", 1).rstrip("\n").splitlines():
                 self.emit(line)
-        return PKLaunch(name, tuple(buf for _, buf, _ in params), groups, local, layer)
+        return PKLaunch(name, tuple(buf for _, buf, _ in params), groups, local, layer=layer)
 
     def _reads(self, line: str, dtypes: dict[str, str]) -> str:
         """Replace every ``READ(p, i)`` with the dialect's load of parameter ``p`` (widened to float)."""
@@ -179,13 +172,13 @@ class _Renderer:
             f"    {self.i64} pos = step[b];",
             f"    {self.i64} tok = tokens[b * {tok_cols} + pos];",
             f"    {self.i64} ok = (pos + 1 < {p.max_seq_length}{eos}) ? 1 : 0;",
-            f"    ctl[{CTL_ACTIVE} + b] = ok;",
+            f"    ctl[{Ctl.ACTIVE} + b] = ok;",
             "    alive += ok;",
         ]
         if vocab is not None:
-            body += [f"    if ((tok < 0 || tok >= {vocab}) && ctl[{CTL_ERROR}] == 0) {{",
-                     f"        ctl[{CTL_ERROR}] = 1; ctl[{CTL_ERR_ROW}] = b; ctl[{CTL_ERR_VALUE}] = tok;", "    }"]
-        body += ["}", f"ctl[{CTL_ALIVE}] = alive;"]
+            error = f"ctl[{Ctl.ERROR}] = {CtlError.TOKEN}; ctl[{Ctl.ERR_ROW}] = b; ctl[{Ctl.ERR_VALUE}] = tok;"
+            body += [f"    if ((tok < 0 || tok >= {vocab}) && ctl[{Ctl.ERROR}] == 0) {{", f"        {error}", "    }"]
+        body += ["}", f"ctl[{Ctl.ALIVE}] = alive;"]
         params = [("ctl", CTL, True), ("tokens", tensor_name(p.tokens_id), False), ("step", STEP, False)]
         return self.kernel("y_begin", params, body, 1, 1)
 
@@ -195,11 +188,11 @@ class _Renderer:
         body = [
             f"{self.it} b = {self.ids()[0]};",
             f"if (b >= {p.batch}) return;",
-            f"if (ctl[{CTL_ACTIVE} + b] != 0) {{",
+            f"if (ctl[{Ctl.ACTIVE} + b] != 0) {{",
             f"    tokens[b * {tok_cols} + step[b] + 1] = ({self.i64})picked[b];",
             "    step[b] = step[b] + 1;",
             "}",
-            f"if (b == 0 && ctl[{CTL_ALIVE}] > 0) ctl[{CTL_STEPS}] = ctl[{CTL_STEPS}] + 1;",
+            f"if (b == 0 && ctl[{Ctl.ALIVE}] > 0) ctl[{Ctl.STEPS}] = ctl[{Ctl.STEPS}] + 1;",
         ]
         params = [("tokens", tensor_name(p.tokens_id), True), ("step", STEP, True), ("ctl", CTL, True),
                   ("picked", tensor_name(p.pick_id), False)]
@@ -449,15 +442,20 @@ class _Renderer:
             raise NotSupportedError("the tokens tensor has no columns")
         begin, layers = self.begin(), []
         for layer in self.p.layers:
-            body = getattr(self, layer.kind, None)
-            if body is None:
-                raise NotSupportedError(f"the C-family PersistentKernel renderer has no task body for layer kind "
-                                        f"{layer.kind!r}; add a method named {layer.kind} to "
-                                        "yirage.persistent.cstyle._Renderer")
-            layers += body(layer.index)
+            layers += TASKS.body(layer.kind)(self, layer.index)
         commit = self.commit()
         return PKRendered(self.emit.source(), begin, tuple(layers), commit, dict(self.scratch),
-                          CTL_ACTIVE + self.p.batch)
+                          control.size(self.p.batch))
+
+
+#: the C-family task bodies by LayerSpec kind; the runtimes that enqueue these kernels (OpenCL, CUDA) register
+#: them under their own names (yirage.persistent.runtime.register_task_bodies)
+TASKS = TaskBodies("C-family", {
+    "embed": _Renderer.embed, "rmsnorm_linear": _Renderer.rmsnorm_linear, "attention": _Renderer.attention,
+    "linear_with_residual": _Renderer.linear_with_residual,
+    "silu_mul_linear_with_residual": _Renderer.silu_mul_linear_with_residual,
+    "argmax": _Renderer.argmax, "sample": _Renderer.sample,
+}, declined=SINGLE_DEVICE, where="yirage.persistent.cstyle (a _Renderer method, named in cstyle.TASKS)")
 
 
 def render_persistent(program: PersistentProgram, dialect: Dialect, group: int = GROUP,

@@ -18,12 +18,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from yirage.autoconfig import BackendConfig, resolve_pk_config
+from yirage.backend.runtime_contract import PersistentRuntime
 from yirage.errors import NotSupportedError
 from yirage.locks import ForkSafeRLock
 from yirage.persistent import shutdown  # noqa: F401 - registers the exit hook before any decode runs
 from yirage.persistent.guard import Snapshot, check_disjoint, check_tensor, refuse_dispatch_modes
 from yirage.persistent.layers import Layer, LayerError, PKTensor, check_collective_layer, check_world, require, split_ok
 from yirage.persistent.program import PersistentProgram, build_program
+from yirage.persistent.runtime import check_runtime
 from yirage.persistent.task_graph import TaskGraph
 from yirage.quant import FORMATS as QUANT_FORMATS
 from yirage.quant import QuantizedTensor
@@ -106,7 +108,7 @@ class PersistentKernel:
         self.layers: list[Layer] = []
         self._written: set[str] = set()
         self.program: PersistentProgram | None = None  # built by compile()
-        self.runtime: Any = None
+        self.runtime: PersistentRuntime | None = None
         self.tokens_tensor = self._register("tokens", tuple(tokens.shape), str(tokens.dtype).removeprefix("torch."),
                                             True, tokens)
 
@@ -375,7 +377,7 @@ class PersistentKernel:
                 batch=self.batch, max_seq_length=self.max_seq_length, eos_token_ids=self.eos_token_ids,
                 tensors=self.tensors, torch_tensors=self.torch_tensors, step=self.step, tokens=self.tokens,
                 layers=self.layers, profiler_tensor=self.profiler_tensor)
-            self.runtime = self.backend.persistent_runtime(self.program, self._config())
+            self.runtime = check_runtime(self.backend, self.backend.persistent_runtime(self.program, self._config()))
             self._snapshot = Snapshot([*self.torch_tensors.items(), ("step", self.step)])
         return self
 
@@ -461,6 +463,27 @@ class PersistentKernel:
             self._snapshot.verify()
             self.check_meta()
             return int(self.runtime.run(max_new_tokens))
+
+    def pick(self, logits: Any) -> Any:
+        """Every row's next token picked from ``logits`` (batch, vocab) by this kernel's last layer (argmax, or its
+        sampler at each row's position ``step[b]``) without decoding a step: a prompt's first token, drawn from the
+        same sampler as the decode steps. Returns (batch,) int64 on the kernel's device; writes neither ``tokens``
+        nor ``step`` (the caller appends the token and advances ``step``)."""
+        import torch
+
+        refuse_dispatch_modes("PersistentKernel.pick() was called")
+        with self._lock:
+            if self.runtime is None:
+                self.compile()
+            assert self._snapshot is not None and self.program is not None
+            want = self.program.picker.inputs["input"].dims
+            if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != want or not logits.is_floating_point():
+                raise LayerError(f"pick(logits): logits must be a float tensor of shape {want} (batch, vocab), got "
+                                 f"{getattr(logits, 'shape', type(logits).__name__)}")
+            logits = logits.to(device=self.step.device, dtype=torch.float32).contiguous()
+            self._snapshot.verify()
+            self.check_meta()
+            return self.runtime.pick(logits).to(torch.int64, copy=True)
 
     def read(self, name: str) -> Any:
         """A copy of a tensor of the last run (e.g. ``"logits"``), for tests and debugging.

@@ -21,15 +21,16 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from yirage.backend.runtime_contract import LAUNCHED
 from yirage.errors import NotSupportedError
-from yirage.persistent import shutdown
-from yirage.persistent.cstyle import CTL_ALIVE, CTL_ERR_ROW, CTL_ERR_VALUE, CTL_ERROR, CTL_STEPS
+from yirage.persistent import control, shutdown
+from yirage.persistent.control import Ctl
 from yirage.persistent.guard import Snapshot, check_tensor, token_out_of_range
 from yirage.persistent.layers import Layer
 from yirage.persistent.program import PersistentProgram
+from yirage.persistent.runtime import SINGLE_DEVICE, TaskBodies, register_task_bodies
 from yirage.persistent.specs import FloatCol, IntCol
 
-CTL_SIZE = 8  # + batch: the same slots as the C-family runtimes (yirage.persistent.cstyle)
 Launch = Callable[[], None]
 
 
@@ -68,8 +69,130 @@ class StepGraph:
         return lambda step: cls(module, graph_cls, step)
 
 
-class LaunchedRuntime:
-    """Runs a frozen PersistentProgram as launched Triton kernels on its tensors' device."""
+class LaunchedSteps:
+    """The host side of a launched runtime: one decode step as launches on one stream, read back once per step.
+
+    A subclass (the Triton kernels below, the cuda backend's CUDA C kernels) sets ``program``, ``device``,
+    ``values`` (program tensor name -> the tensor its kernels read), ``ctl`` (the control buffer on the device,
+    yirage.persistent.control), ``launches`` ((layer index, launch) for one step, in layer order) and
+    ``snapshot``, calls ``_init_loop()``, and implements ``_begin`` (which rows decode, token ids in range)
+    and ``_commit`` (append the picked tokens, advance ``step``). The loop, the device-graph capture of a step,
+    the profiled first step, ``pick`` and ``stop`` are here, once.
+
+    It ignores ``num_workers``/``num_local_schedulers`` (``LAUNCHED``): one stream runs a step's launches.
+    """
+
+    kind = LAUNCHED
+    program: PersistentProgram
+    device: Any
+    values: dict[str, Any]
+    ctl: Any
+    launches: list[tuple[int, Launch]]
+    snapshot: Snapshot
+
+    def _init_loop(self) -> None:
+        self._stop = False
+        #: how a step is recorded for replay on this device (None: launched every time); see StepGraph
+        self.capture: Callable[[Callable[[], None]], Any] | None = StepGraph.for_device(self.device)
+        self._graph: Any = None
+
+    def _begin(self) -> None:
+        raise NotImplementedError
+
+    def _commit(self) -> None:
+        raise NotImplementedError
+
+    def _sync(self) -> None:
+        """Wait for every launch so far (on the CPU, under Triton's interpreter, launches are synchronous)."""
+        if self.device.type != "cpu":
+            import torch
+
+            torch.accelerator.synchronize(self.device)
+
+    def _profiled(self) -> None:
+        """One step's launches, each layer timed on the host after a device sync (start/end ns per task)."""
+        import time
+
+        spans: dict[int, tuple[int, int]] = {}
+        self._sync()
+        origin = time.perf_counter_ns()
+        for layer, launch in self.launches:
+            start = time.perf_counter_ns() - origin
+            launch()
+            self._sync()
+            end = time.perf_counter_ns() - origin
+            lo, _ = spans.get(layer, (start, end))
+            spans[layer] = (lo, end)
+        out = self.program.profiler_tensor.view(-1)
+        graph = self.program.task_graph
+        for task in range(min(graph.num_tasks, out.numel() // 3)):
+            lo, hi = spans[graph.task_layer[task]]
+            out[3 * task], out[3 * task + 1], out[3 * task + 2] = lo, hi, 0  # one stream: one "worker"
+
+    def _step(self) -> None:
+        """One decode step's launches: the layers, commit, and the next step's begin."""
+        for _, launch in self.launches:
+            launch()
+        self._commit()
+        self._begin()
+
+    def value(self, name: str) -> Any:
+        return self.values[name]
+
+    def pick(self, logits: Any) -> Any:
+        """The picker layer's launches alone on ``logits`` at the current positions (PersistentRuntime.pick)."""
+        picker = self.program.picker
+        self.values[picker.inputs["input"].name].copy_(logits)
+        for layer, launch in self.launches:
+            if layer == picker.index:
+                launch()
+        return self.values[picker.output.name][:, 0]
+
+    def stop(self) -> None:
+        """Ask the decode in flight to stop after its current step (the exit hook calls it)."""
+        self._stop = True
+
+    def run(self, max_new_tokens: int | None = None) -> int:
+        """Decode (see PersistentKernel.__call__); the kernel's lock serializes calls."""
+        program = self.program
+        self.snapshot.verify()
+        limit = program.max_seq_length if max_new_tokens is None else int(max_new_tokens)
+        self._stop = False
+        self.ctl.zero_()
+        steps = 0
+        with shutdown.decoding(self):
+            try:
+                self._begin()
+                ctl = self.ctl.tolist()  # the one host read of a step (a sync on an accelerator)
+                while steps < limit and not self._stop:
+                    if ctl[Ctl.ERROR]:
+                        row, tok = ctl[Ctl.ERR_ROW], ctl[Ctl.ERR_VALUE]
+                        raise token_out_of_range(row, tok)
+                    if ctl[Ctl.ALIVE] == 0:
+                        break
+                    if steps == 0 and program.profiler_tensor is not None:
+                        self._profiled()
+                        self._commit()
+                        self._begin()
+                    elif self._graph is not None:
+                        self._graph.replay()
+                    else:
+                        self._step()
+                        if self.capture is not None:  # the kernels are compiled now: record the step once
+                            self._graph = self.capture(self._step)
+                    ctl = self.ctl.tolist()
+                    steps += 1
+            finally:  # Ctrl-C between two launches: nothing of ours still runs when run() raises
+                self._sync()
+        if self._stop:
+            shutdown.check_not_stopped()
+        if steps and ctl[Ctl.STEPS] != steps:
+            raise AssertionError(f"the device counted {ctl[Ctl.STEPS]} steps, the host {steps}")  # a runtime bug
+        return steps
+
+
+class LaunchedRuntime(LaunchedSteps):
+    """Runs a frozen PersistentProgram as launched Triton kernels on its tensors' device (LaunchedSteps' loop)."""
 
     def __init__(self, program: PersistentProgram, config: dict[str, int]) -> None:
         import torch
@@ -88,24 +211,17 @@ class LaunchedRuntime:
             check_tensor(value, f"the launched runtime's tensor {t.name!r}", self.device.type, written=not t.attached)
             self.values[t.name] = value
         self.by_index = [self.values[t.name] for t in program.tensors]
-        self.ctl = torch.zeros(CTL_SIZE + program.batch, dtype=torch.int64, device=self.device)
+        self.ctl = torch.zeros(control.size(program.batch), dtype=torch.int64, device=self.device)
         self.eos = torch.tensor(list(program.eos_token_ids) or [-1], dtype=torch.int64, device=self.device)
         self.launches: list[tuple[int, Launch]] = []  # (layer, launch) for one step
         self.xs = torch.zeros(1, device=self.device)
         self.scores = torch.zeros(1, device=self.device)
-        plans = [(layer, getattr(self, f"_{layer.kind}", None)) for layer in program.layers]
-        missing = sorted({layer.kind for layer, plan in plans if plan is None})
-        if missing:
-            raise NotSupportedError(f"the launched PersistentKernel runtime has no task kernels for {missing}; add "
-                                    "them to yirage.persistent.triton_tasks and launched.LaunchedRuntime")
-        for layer, plan in plans:
-            for launch in plan(layer):
+        TASKS.require(layer.kind for layer in program.layers)
+        for layer in program.layers:
+            for launch in TASKS.body(layer.kind)(self, layer):
                 self.launches.append((layer.index, launch))
         self.snapshot = Snapshot([*self.values.items(), ("step", program.step)])
-        self._stop = False
-        #: how a step is recorded for replay on this device (None: launched every time); see StepGraph
-        self.capture: Callable[[Callable[[], None]], Any] | None = StepGraph.for_device(self.device)
-        self._graph: Any = None
+        self._init_loop()
 
     # -- descriptor access ------------------------------------------------------------------
     def _int(self, layer: Layer, column: IntCol) -> int:
@@ -211,80 +327,13 @@ class LaunchedRuntime:
         self.tasks.y_commit[(1,)](p.tokens, p.step, self.ctl, self.by_index[p.pick_id], p.batch, _pow2(p.batch),
                                   p.tokens.shape[1])
 
-    def _profiled(self) -> None:
-        """One step's launches, each layer timed on the host after a device sync (start/end ns per task)."""
-        import time
+#: one layer's launches per LayerSpec kind (the kernels: yirage.persistent.triton_tasks)
+TASKS: TaskBodies = register_task_bodies("launched", {
+    "embed": LaunchedRuntime._embed, "rmsnorm_linear": LaunchedRuntime._rmsnorm_linear,
+    "attention": LaunchedRuntime._attention, "linear_with_residual": LaunchedRuntime._linear_with_residual,
+    "silu_mul_linear_with_residual": LaunchedRuntime._silu_mul_linear_with_residual,
+    "argmax": LaunchedRuntime._argmax, "sample": LaunchedRuntime._sample,
+}, declined=SINGLE_DEVICE, where="yirage.persistent.launched (a LaunchedRuntime method, named in launched.TASKS) "
+   "and its kernels to yirage.persistent.triton_tasks")
 
-        import torch
-
-        def sync() -> None:
-            if self.device.type != "cpu":
-                torch.accelerator.synchronize(self.device)
-
-        spans: dict[int, tuple[int, int]] = {}
-        sync()
-        origin = time.perf_counter_ns()
-        for layer, launch in self.launches:
-            start = time.perf_counter_ns() - origin
-            launch()
-            sync()
-            end = time.perf_counter_ns() - origin
-            lo, _ = spans.get(layer, (start, end))
-            spans[layer] = (lo, end)
-        out = self.program.profiler_tensor.view(-1)
-        graph = self.program.task_graph
-        for task in range(min(graph.num_tasks, out.numel() // 3)):
-            lo, hi = spans[graph.task_layer[task]]
-            out[3 * task], out[3 * task + 1], out[3 * task + 2] = lo, hi, 0  # one stream: one "worker"
-
-    def _step(self) -> None:
-        """One decode step's launches: the layers, commit, and the next step's begin."""
-        for _, launch in self.launches:
-            launch()
-        self._commit()
-        self._begin()
-
-    def value(self, name: str) -> Any:
-        return self.values[name]
-
-    def stop(self) -> None:
-        """Ask the decode in flight to stop after its current step (the exit hook calls it)."""
-        self._stop = True
-
-    def run(self, max_new_tokens: int | None = None) -> int:
-        """Decode (see PersistentKernel.__call__); the kernel's lock serializes calls."""
-        program = self.program
-        self.snapshot.verify()
-        limit = program.max_seq_length if max_new_tokens is None else int(max_new_tokens)
-        self._stop = False
-        self.ctl.zero_()
-        steps = 0
-        with shutdown.decoding(self):
-            self._begin()
-            ctl = self.ctl.tolist()  # the one host read of a step (a sync on an accelerator)
-            while steps < limit and not self._stop:
-                if ctl[CTL_ERROR]:
-                    row, tok = ctl[CTL_ERR_ROW], ctl[CTL_ERR_VALUE]
-                    raise token_out_of_range(row, tok)
-                if ctl[CTL_ALIVE] == 0:
-                    break
-                if steps == 0 and program.profiler_tensor is not None:
-                    self._profiled()
-                    self._commit()
-                    self._begin()
-                elif self._graph is not None:
-                    self._graph.replay()
-                else:
-                    self._step()
-                    if self.capture is not None:  # the kernels are compiled now: record the step once
-                        self._graph = self.capture(self._step)
-                ctl = self.ctl.tolist()
-                steps += 1
-        if self._stop:
-            shutdown.check_not_stopped()
-        if steps and ctl[CTL_STEPS] != steps:
-            raise AssertionError(f"the device counted {ctl[CTL_STEPS]} steps, the host {steps}")  # a runtime bug
-        return steps
-
-
-__all__ = ["LaunchedRuntime"]
+__all__ = ["TASKS", "LaunchedRuntime", "LaunchedSteps", "StepGraph"]

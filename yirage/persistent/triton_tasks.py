@@ -16,13 +16,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# the control buffer's slots (the same layout as the C-family runtimes: yirage.persistent.cstyle)
-ALIVE: tl.constexpr = tl.constexpr(0)
-STEPS: tl.constexpr = tl.constexpr(1)
-ERROR: tl.constexpr = tl.constexpr(2)
-ERR_ROW: tl.constexpr = tl.constexpr(3)
-ERR_VALUE: tl.constexpr = tl.constexpr(4)
-ACTIVE: tl.constexpr = tl.constexpr(8)
+from yirage.persistent.control import Ctl, CtlError
+
+# the control buffer's slots, from its one definition (yirage.persistent.control); Triton reads module globals
+# only as tl.constexpr, and as plain ints (not IntEnum members) in its cache keys
+ALIVE: tl.constexpr = tl.constexpr(int(Ctl.ALIVE))
+STEPS: tl.constexpr = tl.constexpr(int(Ctl.STEPS))
+ERROR: tl.constexpr = tl.constexpr(int(Ctl.ERROR))
+ERR_ROW: tl.constexpr = tl.constexpr(int(Ctl.ERR_ROW))
+ERR_VALUE: tl.constexpr = tl.constexpr(int(Ctl.ERR_VALUE))
+ACTIVE: tl.constexpr = tl.constexpr(int(Ctl.ACTIVE))
+ERR_TOKEN: tl.constexpr = tl.constexpr(int(CtlError.TOKEN))
 
 
 @triton.jit
@@ -41,7 +45,7 @@ def y_begin(ctl, tokens, step, eos, B: tl.constexpr, BB: tl.constexpr, TC: tl.co
     bad = m & ((tok < 0) | (tok >= VOCAB))
     row = tl.min(tl.where(bad, rows, BB), axis=0)
     if row < B:
-        tl.store(ctl + ERROR, 1)
+        tl.store(ctl + ERROR, ERR_TOKEN)
         tl.store(ctl + ERR_ROW, row.to(tl.int64))
         tl.store(ctl + ERR_VALUE, tl.sum(tl.where(rows == row, tok, 0), axis=0))
 

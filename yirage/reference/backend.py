@@ -15,6 +15,7 @@ from yirage.backend.hookspecs import hookimpl
 from yirage.backend.host import host_device_info, host_memory_info
 from yirage.backend.plugins import install_core_plugin
 from yirage.backend.probes import distribution_version, module_installed
+from yirage.backend.runtime_contract import SERIAL, PersistentRuntime
 
 YIRAGE_PLUGIN_API = 1
 
@@ -41,7 +42,9 @@ class ReferenceBackend(Backend):
     kernel_dtypes = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
     persistent_weight_formats = frozenset({"float32", "bfloat16", "float16", "q8_0", "q4_0"})
 
-    def persistent_runtime(self, program: Any, config: Any) -> Any:
+    persistent_kind = SERIAL  # the oracle: one task at a time
+
+    def persistent_runtime(self, program: Any, config: Any) -> PersistentRuntime:
         from yirage.reference.persistent import ReferenceRuntime
 
         return ReferenceRuntime(program, config)

@@ -11,34 +11,28 @@ up here too. Its only per-kind code is the table of task bodies.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
-from yirage.errors import NotSupportedError
+from yirage.backend.runtime_contract import SERIAL
+from yirage.persistent import shutdown
 from yirage.persistent.layers import Layer
 from yirage.persistent.program import PersistentProgram
+from yirage.persistent.runtime import SINGLE_DEVICE, TaskBodies, register_task_bodies
 from yirage.persistent.specs import FloatCol, IntCol
 from yirage.quant import FORMATS as QUANT_FORMATS
 from yirage.quant import dequantize
 
-Body = Callable[[Layer, int, Any, int, int], None]
-
 
 class ReferenceRuntime:
+    """The oracle (see the module docstring); it ignores ``num_workers``/``num_local_schedulers`` (``SERIAL``)."""
+
+    kind = SERIAL
+
     def __init__(self, program: PersistentProgram, config: dict[str, int]) -> None:
         import torch
 
         self.program, self.graph, self.config = program, program.task_graph, config
-        self.bodies: dict[str, Body] = {
-            "embed": self._embed, "rmsnorm_linear": self._rmsnorm_linear, "attention": self._attention,
-            "linear_with_residual": self._linear_with_residual,
-            "silu_mul_linear_with_residual": self._silu_mul_linear_with_residual,
-            "argmax": self._argmax, "sample": self._sample,
-        }
-        missing = sorted({layer.kind for layer in program.layers} - set(self.bodies))
-        if missing:
-            raise NotSupportedError(f"the reference PersistentKernel runtime has no task body for {missing}; "
-                                    "add one to ReferenceRuntime.bodies")
+        TASKS.require(layer.kind for layer in program.layers)
         self.values: dict[str, Any] = dict(program.values)
         for t in program.tensors:
             if t.dtype in QUANT_FORMATS:  # the oracle reads quantized weights as their float32 values
@@ -48,11 +42,16 @@ class ReferenceRuntime:
                 self.values[t.name] = torch.zeros(t.dims, dtype=dtype, device=program.tokens.device)  # not ambient
         self.names = [t.name for t in program.tensors]  # descriptor tensor index -> name
         self.order = self.graph.topological_order()
-        self.generator = torch.Generator()
+        self.generator = torch.Generator(device=program.tokens.device)  # multinomial draws on the tensors' device
         self.steps_run = 0
+        self._stop = False
 
     def value(self, name: str) -> Any:
         return self.values[name]
+
+    def stop(self) -> None:
+        """Ask the decode in flight to stop before its next task (the step in flight is not committed)."""
+        self._stop = True
 
     # -- descriptor access ------------------------------------------------------------
     def _int(self, layer: Layer, column: IntCol) -> int:
@@ -70,7 +69,7 @@ class ReferenceRuntime:
         out = self.values[self.names[self._int(layer, IntCol.OUTPUT)]]
         cols = out.shape[1] // layer.out_parts
         lo, hi = layer.write_part(t) * cols, (layer.write_part(t) + 1) * cols
-        self.bodies[layer.kind](layer, t, out, lo, hi)
+        TASKS.body(layer.kind)(self, layer, t, out, lo, hi)
 
     def _embed(self, layer: Layer, t: int, out: Any, lo: int, hi: int) -> None:
         import torch
@@ -159,6 +158,15 @@ class ReferenceRuntime:
             self.generator.manual_seed(seed * 1_000_003 + position * 7919 + row * 104729 + 1)
             out[row, 0] = int(torch.multinomial(probs / probs.sum(), 1, generator=self.generator))
 
+    def pick(self, logits: Any) -> Any:
+        """The picker layer alone on ``logits`` at the current positions (see PersistentRuntime.pick)."""
+        p = self.program
+        self.values[p.picker.inputs["input"].name].copy_(logits)
+        for task in self.order:
+            if p.layers[self.graph.task_layer[task]] is p.picker:
+                self.run_task(p.picker, self.graph.task_index[task])
+        return self.values[p.picker.output.name][:, 0].to(self.program.tokens.dtype)
+
     # -- the decode loop ------------------------------------------------------------------
     def active_rows(self) -> list[int]:
         p = self.program
@@ -171,21 +179,38 @@ class ReferenceRuntime:
         picker = self.values[p.picker.output.name]
         profile = p.profiler_tensor
         steps = 0
-        active = self.active_rows()
-        while active and (max_new_tokens is None or steps < max_new_tokens):
-            origin = time.perf_counter_ns()
-            for task in self.order:
-                start = time.perf_counter_ns()
-                self.run_task(p.layers[graph.task_layer[task]], graph.task_index[task])
-                if profile is not None and steps == 0 and 3 * task + 2 < profile.numel():
-                    profile[3 * task] = start - origin
-                    profile[3 * task + 1] = time.perf_counter_ns() - origin
-                    profile[3 * task + 2] = 0  # the one worker
-            for b in active:
-                pos = int(p.step[b])
-                p.tokens[b, pos + 1] = int(picker[b, 0])
-                p.step[b] = pos + 1
-            steps += 1
-            self.steps_run += 1
+        self._stop = False
+        with shutdown.decoding(self):
             active = self.active_rows()
+            while active and (max_new_tokens is None or steps < max_new_tokens) and not self._stop:
+                origin = time.perf_counter_ns()
+                for task in self.order:
+                    if self._stop:
+                        break
+                    start = time.perf_counter_ns()
+                    self.run_task(p.layers[graph.task_layer[task]], graph.task_index[task])
+                    if profile is not None and steps == 0 and 3 * task + 2 < profile.numel():
+                        profile[3 * task] = start - origin
+                        profile[3 * task + 1] = time.perf_counter_ns() - origin
+                        profile[3 * task + 2] = 0  # the one worker
+                if self._stop:
+                    break  # a stopped step is not committed (as the cpu runtime)
+                for b in active:
+                    pos = int(p.step[b])
+                    p.tokens[b, pos + 1] = int(picker[b, 0])
+                    p.step[b] = pos + 1
+                steps += 1
+                self.steps_run += 1
+                active = self.active_rows()
+        if self._stop:
+            shutdown.check_not_stopped()  # stopped by the exit hook: an incomplete result is an error
         return steps
+
+
+#: the task bodies by LayerSpec kind (the oracle's only per-kind code)
+TASKS: TaskBodies = register_task_bodies("reference", {
+    "embed": ReferenceRuntime._embed, "rmsnorm_linear": ReferenceRuntime._rmsnorm_linear,
+    "attention": ReferenceRuntime._attention, "linear_with_residual": ReferenceRuntime._linear_with_residual,
+    "silu_mul_linear_with_residual": ReferenceRuntime._silu_mul_linear_with_residual,
+    "argmax": ReferenceRuntime._argmax, "sample": ReferenceRuntime._sample,
+}, declined=SINGLE_DEVICE, where="yirage.reference.persistent (a ReferenceRuntime method, named in its TASKS)")

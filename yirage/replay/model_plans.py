@@ -36,8 +36,8 @@ class Session:
 
         self.model = copy.copy(model)
         self.model.reset_cache(bucket, cache_len)  # new cache lists on the copy only
-        self.tokens = torch.zeros(bucket, cache_len, dtype=torch.int64)
-        self.step = torch.zeros(bucket, dtype=torch.int64)
+        self.tokens = torch.zeros(bucket, cache_len, dtype=torch.int64, device=model.device)
+        self.step = torch.zeros(bucket, dtype=torch.int64, device=model.device)
         self.decoder: Any = None  # the PersistentKernel, built by the first fused decode entry
 
 
@@ -160,9 +160,9 @@ class DecodePlan:
         s, b = call.session, call.batch
         s.step[b:] = 0  # padding rows: token 0 at position 0 of their own cache rows
         s.tokens[b:, 0] = 0
-        positions = call.positions[:, 0]
+        positions = call.positions[:, 0].to(s.step.device)
         s.step[:b] = positions
-        s.tokens[torch.arange(b), positions] = call.input_ids[:, 0]
+        s.tokens[torch.arange(b, device=s.tokens.device), positions] = call.input_ids[:, 0].to(s.tokens.device)
         steps = self.decoder(1)
         if steps != 1:
             raise ReplayError(f"the decode step ran {steps} steps instead of 1 (positions {positions.tolist()}, "

@@ -54,7 +54,7 @@ class Executable:
         self.backend = backend
         self.compile_seconds = compile_seconds
         self._run = run
-        self._device = backend.torch_device
+        self._device = torch.device(backend.torch_device).type  # "cuda:1" compares as "cuda"
         self._checks = []
         for index, node in enumerate(graph.inputs):
             big = tuple(i for i, d in enumerate(node.dims) if d > 1)
@@ -190,7 +190,7 @@ def _specialize(exe: Executable, graph: KernelGraph) -> tuple[Callable[[Any], bo
     """
     import torch
 
-    device = exe.backend.torch_device
+    device = exe._device
     on_device = (lambda v: f"{v}.is_cpu") if device == "cpu" else (lambda v: f"{v}.device.type == DEV")
     env: dict[str, Any] = {"__name__": __name__, "T": torch.Tensor, "P": torch.nn.Parameter, "S": torch.strided,
                            "DEV": device, "run": exe._run, "slow": exe._slow, "bad": exe._bad_outputs,

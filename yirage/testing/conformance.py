@@ -21,7 +21,15 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 
 import yirage as yr
-from yirage.testing.oracle import UNARY, UNARY_TORCH, assert_matches_reference, assert_matches_torch, random_inputs
+from yirage.testing.oracle import (
+    UNARY,
+    UNARY_TORCH,
+    assert_matches_reference,
+    assert_matches_torch,
+    backend_device,
+    on_backend,
+    random_inputs,
+)
 from yirage.testing.random_graphs import COVERAGE_PATTERNS, coverage, random_graph, seeded_graph
 
 FLOATS = ["float32", "float16", "bfloat16", "float64"]
@@ -188,9 +196,9 @@ def test_embedding_rejects_out_of_range_ids(yirage_backend) -> None:
     ids, table = g.new_input((4,), dtype=yr.int64), g.new_input((10, 8))
     g.mark_output(g.embedding(ids, table))
     with pytest.raises(IndexError, match=r"\[0, 10\)"):
-        g(inputs=[torch.tensor([1, 2, 10, 3]), torch.randn(10, 8)], backend=yirage_backend)
+        g(inputs=on_backend([torch.tensor([1, 2, 10, 3]), torch.randn(10, 8)], yirage_backend), backend=yirage_backend)
     with pytest.raises(IndexError, match=r"\[0, 10\)"):
-        g(inputs=[torch.tensor([-1, 2, 1, 3]), torch.randn(10, 8)], backend=yirage_backend)
+        g(inputs=on_backend([torch.tensor([-1, 2, 1, 3]), torch.randn(10, 8)], yirage_backend), backend=yirage_backend)
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -251,8 +259,8 @@ def test_attention_rejects_bad_lengths(yirage_backend) -> None:
     g.mark_output(g.attention(q, k, v, g.new_input((1,), dtype=yr.int64)))
     for bad in (0, 5):
         with pytest.raises(ValueError, match=r"\[1, 4\]"):
-            g(inputs=[torch.randn(1, 2, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.tensor([bad])],
-              backend=yirage_backend)
+            g(inputs=on_backend([torch.randn(1, 2, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8),
+                                 torch.tensor([bad])], yirage_backend), backend=yirage_backend)
 
 
 ROTARY_CONSUMERS = {  # graph builder, torch oracle, error scale (None: the element's own magnitude)
@@ -293,8 +301,8 @@ def test_exp_overflows_and_underflows_like_float32(yirage_backend) -> None:
     g = yr.new_kernel_graph()
     g.mark_output(g.exp(g.new_input((8,))))
     x = torch.tensor([-float("inf"), -200.0, -50.0, 0.0, 50.0, 88.5, 100.0, float("inf")])
-    (out,) = g(inputs=[x], backend=yirage_backend)
-    torch.testing.assert_close(out, torch.exp(x), rtol=5e-6, atol=0.0)
+    (out,) = g(inputs=on_backend([x], yirage_backend), backend=yirage_backend)
+    torch.testing.assert_close(out.cpu(), torch.exp(x), rtol=5e-6, atol=0.0)
 
 
 def test_strided_pointwise_input(yirage_backend) -> None:
@@ -311,19 +319,20 @@ def test_input_marked_as_output_is_copied(yirage_backend) -> None:
     x = g.new_input((3, 4))
     g.mark_output(x)
     g.mark_output(g.relu(x))
-    t = torch.randn(3, 4, generator=torch.Generator().manual_seed(16))
+    (t,) = on_backend([torch.randn(3, 4, generator=torch.Generator().manual_seed(16))], yirage_backend)
     out, relu = g(inputs=[t], backend=yirage_backend)
-    assert torch.equal(out, t) and out.data_ptr() != t.data_ptr()
-    assert torch.equal(relu, t.relu())
+    assert out.device == t.device and torch.equal(out, t) and out.data_ptr() != t.data_ptr()
+    assert torch.equal(relu.cpu(), t.cpu().relu())
 
 
 def test_outputs_are_fresh_tensors_each_call(yirage_backend) -> None:
     g = yr.new_kernel_graph()
     x = g.new_input((4,))
     g.mark_output(g.square(x))
-    first = g(inputs=[torch.full((4,), 2.0)], backend=yirage_backend)[0]
-    second = g(inputs=[torch.full((4,), 3.0)], backend=yirage_backend)[0]
-    assert torch.equal(first, torch.full((4,), 4.0)) and torch.equal(second, torch.full((4,), 9.0))
+    first = g(inputs=on_backend([torch.full((4,), 2.0)], yirage_backend), backend=yirage_backend)[0]
+    second = g(inputs=on_backend([torch.full((4,), 3.0)], yirage_backend), backend=yirage_backend)[0]
+    assert first.data_ptr() != second.data_ptr()
+    assert torch.equal(first.cpu(), torch.full((4,), 4.0)) and torch.equal(second.cpu(), torch.full((4,), 9.0))
 
 
 # -- bad inputs ------------------------------------------------------------------
@@ -335,22 +344,33 @@ def _small_graph() -> yr.KernelGraph:
     return g
 
 
-@pytest.mark.parametrize(("inputs", "message"), [
-    (lambda: [torch.randn(2, 3)], "2 input"),
-    (lambda: [torch.randn(2, 3), torch.randn(3, 2)], "shape"),
-    (lambda: [torch.randn(2, 3), torch.randn(2, 3, dtype=torch.float64)], "dtype"),
-    (lambda: [torch.randn(2, 3), torch.randn(3, 2).t()], "strides"),
-    (lambda: [torch.randn(2, 3), [[0.0] * 3] * 2], "torch.Tensor"),
-    (lambda: torch.randn(2, 3), "list"),
-    (lambda: [torch.randn(2, 3), torch.randn(2, 3).to_sparse()], "layout"),
-    (lambda: [torch.randn(2, 3), torch.randn(2, 3)._neg_view()], "resolve_neg"),
-    (lambda: [torch.randn(2, 3), torch.randn(2, 3, device="meta")], "meta tensor"),
+@pytest.mark.parametrize(("inputs", "message"), [  # each made on the backend's device d, defect included
+    (lambda d: [torch.randn(2, 3, device=d)], "2 input"),
+    (lambda d: [torch.randn(2, 3, device=d), torch.randn(3, 2, device=d)], "shape"),
+    (lambda d: [torch.randn(2, 3, device=d), torch.randn(2, 3, dtype=torch.float64, device=d)], "dtype"),
+    (lambda d: [torch.randn(2, 3, device=d), torch.randn(3, 2, device=d).t()], "strides"),
+    (lambda d: [torch.randn(2, 3, device=d), [[0.0] * 3] * 2], "torch.Tensor"),
+    (lambda d: torch.randn(2, 3, device=d), "list"),
+    (lambda d: [torch.randn(2, 3, device=d), torch.randn(2, 3, device=d).to_sparse()], "layout"),
+    (lambda d: [torch.randn(2, 3, device=d), torch.randn(2, 3, device=d)._neg_view()], "resolve_neg"),
+    (lambda d: [torch.randn(2, 3, device=d), torch.randn(2, 3, device="meta")], "meta tensor"),
 ])
 def test_bad_inputs_are_refused_with_the_fix(yirage_backend, inputs, message) -> None:
     from yirage.runtime.executable import InputError
 
     with pytest.raises(InputError, match=message):
-        _small_graph()(inputs=inputs(), backend=yirage_backend)
+        _small_graph()(inputs=inputs(backend_device(yirage_backend)), backend=yirage_backend)
+
+
+def test_inputs_on_another_device_are_refused(yirage_backend) -> None:
+    """A tensor on another device than the backend's (the CPU for a GPU backend, else meta) is refused."""
+    from yirage.runtime.executable import InputError
+
+    device = backend_device(yirage_backend)
+    other = "meta" if device.type == "cpu" else "cpu"
+    with pytest.raises(InputError, match=rf"\b{other}\b"):
+        _small_graph()(inputs=[torch.randn(2, 3, device=device), torch.randn(2, 3, device=other)],
+                       backend=yirage_backend)
 
 
 # -- random graphs ----------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import yirage as yr
-from yirage.testing.oracle import TOLERANCE, UNARY, UNARY_TORCH, assert_same_floats
+from yirage.testing.oracle import TOLERANCE, UNARY, UNARY_TORCH, assert_same_floats, run_on_backend
 
 __all__ = [  # the cases; conformance.py star-imports them, so plugin authors get them with the rest of the kit
     "test_extreme_attention", "test_extreme_binary", "test_extreme_embedding_values", "test_extreme_matmul",
@@ -95,7 +95,7 @@ def check(graph: yr.KernelGraph, inputs: list[Any], backend: str, dtype: str, ex
     the narrow ops themselves do, passes too: ``expect`` in float32 on the same values, narrowed at
     the end, is accepted as an alternative.
     """
-    outs = graph.run(list(inputs), backend=backend)
+    outs = run_on_backend(graph, inputs, backend)
     wants = _listed(expect(*inputs))
     scale = _listed(scales(*[_abs64(t) for t in inputs])) if scales else [None] * len(wants)
     alts: list[list[Any]] = [[a] if a is not None else [] for a in (alternatives or [None] * len(wants))]

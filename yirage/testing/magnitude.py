@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from yirage.graph.kernel_graph import KernelGraph, Node
+from yirage.graph.kernel_graph import KernelGraph
 from yirage.graph.ops import OPS
 
 #: bounds of |f'(x)| for the smooth activations
@@ -58,11 +58,40 @@ def _attention_scale(q: Any, k: Any, v: Any, sq: Any, sk: Any, sv: Any, lengths:
     return torch.einsum("bhs,bhsd->bhd", p, sv) + torch.einsum("bhs,bhsd->bhd", sp, v.abs())
 
 
-def _scale(node: Node, vals: list[Any], scales: list[Any], out: Any) -> Any:
-    """The magnitude of ``node``'s output from its operands' values and magnitudes (see module doc)."""
+def _composite_scale(op: str, vals: list[Any], scales: list[Any]) -> Any:
+    """A composite's magnitude from its definition in primitives (``yirage.compiler.decompose``), rule by rule:
+    what a backend computes is that definition, so each of its roundings is counted."""
     import torch
 
-    op, a = node.op, node.attrs
+    from yirage.compiler.decompose import arity, decompose
+    from yirage.compiler.kernel_ir import Call, Const, Expr, Load
+
+    def walk(e: Expr) -> tuple[Any, Any]:
+        if isinstance(e, Load):
+            i = int(e.buffer)
+            return vals[i], scales[i]
+        if isinstance(e, Const):
+            return torch.full_like(vals[0], e.value), torch.zeros_like(vals[0])
+        assert isinstance(e, Call), e
+        (v, *more), (s, *more_s) = zip(*(walk(a) for a in e.args), strict=True)
+        if e.fn == "neg":
+            return -v, s
+        if e.fn in ("max", "min"):  # the selected operand, with its magnitude (NaN-propagating, ties keep v)
+            w, sw = more[0], more_s[0]
+            take = ((w > v) if e.fn == "max" else (w < v)) | w.isnan()
+            return torch.where(take, w, v), torch.where(take, sw, s)
+        out = OPS[e.fn].reference(v, *more)
+        return out, _scale(e.fn, {}, [v, *more], [s, *more_s], out)
+
+    return walk(decompose(Call(op, tuple(Load(str(i)) for i in range(arity(op)))), keep=()))[1]
+
+
+def _scale(op: str, a: dict[str, Any], vals: list[Any], scales: list[Any], out: Any) -> Any:
+    """The magnitude of op's output (attributes ``a``) from its operands' values and magnitudes (see module doc)."""
+    import torch
+
+    from yirage.compiler.decompose import COMPOSITES
+
     x = vals[0]
     sx = scales[0]
     if op in ("add", "sub"):
@@ -103,6 +132,8 @@ def _scale(node: Node, vals: list[Any], scales: list[Any], out: Any) -> Any:
     if op == "attention":
         lengths = vals[3] if len(vals) > 3 else None
         return _attention_scale(*vals[:3], *scales[:3], lengths, a["scale"])
+    if op in COMPOSITES:
+        return _composite_scale(op, vals, scales)
     raise NotImplementedError(f"no error-scale rule for op {op!r}: add one to yirage.testing.magnitude._scale")
 
 
@@ -126,7 +157,7 @@ def graph_oracle(graph: KernelGraph, inputs: Sequence[Any]) -> tuple[list[Any], 
         args = [values[i] for i in node.inputs]
         values[node.id] = out = OPS[node.op].reference(*args, **node.attrs)
         if node.dtype.is_float:
-            scales[node.id] = _scale(node, args, [scales[i] for i in node.inputs], out)
+            scales[node.id] = _scale(node.op, node.attrs, args, [scales[i] for i in node.inputs], out)
         else:
             scales[node.id] = None
     outs = [values[i].clone() for i in graph.outputs]

@@ -1,5 +1,9 @@
 """Compare a backend's outputs with an independent oracle, element by element.
 
+Inputs are made on the CPU (seeded, the same bits everywhere) and moved to the backend's torch device
+(``on_backend``) only to run there; the oracle is computed on the CPU copies and every output is brought
+back to the CPU before it is compared, so the kit holds a GPU backend to the same numbers as the CPU.
+
 Every finite element must satisfy ``|out - want| <= atol + rtol * m``, where ``m`` is that element's
 own reference magnitude, or the float64 magnitude of the terms summed into it where that is larger
 (a sum whose terms cancel is only as exact as its terms are large): never the largest entry of the
@@ -36,6 +40,36 @@ def _int_role(graph: KernelGraph, node_id: int) -> tuple[int, int]:
         if node.op == "attention" and len(node.inputs) > 3 and node.inputs[3] == node_id:
             return 1, graph.nodes[node.inputs[1]].dims[2] + 1
     return 0, 8
+
+
+def backend_device(backend: Any) -> Any:
+    """The torch device a backend (a name, BackendType or Backend) reads and writes tensors on."""
+    import torch
+
+    from yirage.backend.selection import registry
+
+    found = registry().get(backend) if isinstance(backend, str) or not hasattr(backend, "torch_device") else backend
+    return torch.device(found.torch_device)
+
+
+def on_backend(values: Sequence[Any], backend: Any) -> list[Any]:
+    """``values`` with every tensor moved to ``backend``'s device, strides and defects kept (a transposed view stays
+    transposed); meta tensors and non-tensors are passed as they are (the cases that hand them over test refusals)."""
+    import torch
+
+    device = backend_device(backend)
+
+    def move(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor) or v.device.type == "meta" or v.device == device:
+            return v
+        return v.to(device)
+
+    return [move(v) for v in values]
+
+
+def run_on_backend(graph: KernelGraph, inputs: Sequence[Any], backend: Any) -> list[Any]:
+    """``graph`` run on ``backend`` with ``inputs`` (CPU tensors) moved to its device; the outputs on the CPU."""
+    return [out.cpu() for out in graph.run(on_backend(inputs, backend), backend=backend)]
 
 
 def random_inputs(graph: KernelGraph, seed: int = 0, scale: float = 1.0) -> list[Any]:
@@ -96,7 +130,7 @@ def assert_matches_torch(graph: KernelGraph, inputs: Sequence[Any], backend: Any
     wide = [t.to(torch.float64) if t.is_floating_point() else t for t in inputs]
     wants = _as_list(expect(*wide))
     scales = _as_list(scale(*wide)) if scale is not None else [None] * len(wants)
-    outs = graph.run(list(inputs), backend=backend)
+    outs = run_on_backend(graph, inputs, backend)
     assert len(outs) == len(wants) == len(scales), f"{len(outs)} outputs, the oracle gives {len(wants)}"
     for index, (out, want, sc, node) in enumerate(zip(outs, wants, scales, graph.output_nodes, strict=True)):
         assert_close(out, want, node.dtype.name, sc, what=f"output {index} on {backend} ({node.dtype})")
@@ -114,7 +148,7 @@ def assert_matches_reference(graph: KernelGraph, inputs: Sequence[Any], backend:
     """
     import torch
 
-    outs = graph.run(list(inputs), backend=backend)
+    outs = run_on_backend(graph, inputs, backend)
     refs, scales = graph_oracle(graph, inputs)
     for index, (out, ref, scale, node) in enumerate(zip(outs, refs, scales, graph.output_nodes, strict=True)):
         assert tuple(out.shape) == node.dims, f"output {index}: shape {tuple(out.shape)}, declared {node.dims}"
@@ -170,6 +204,7 @@ UNARY = {
     "exp": lambda g, x: g.exp(x),
     "silu": lambda g, x: g.silu(x),
     "gelu": lambda g, x: g.gelu(x),
+    "sigmoid": lambda g, x: g.sigmoid(x),
     "relu": lambda g, x: g.relu(x),
     "square": lambda g, x: g.square(x),
     "clamp": lambda g, x: g.clamp(x, -0.5, 0.75),
@@ -187,6 +222,7 @@ UNARY_TORCH: dict[str, Callable[[Any], Any]] = {
     "exp": lambda x: _torch().exp(x),
     "silu": lambda x: _torch().nn.functional.silu(x),
     "gelu": lambda x: _torch().nn.functional.gelu(x),
+    "sigmoid": lambda x: _torch().sigmoid(x),
     "relu": lambda x: _torch().relu(x),
     "square": lambda x: x * x,
     "clamp": lambda x: _torch().clamp(x, -0.5, 0.75),

@@ -12,6 +12,7 @@ from typing import Any
 import yirage
 from yirage.backend.host import host_device_info, host_memory_info
 from yirage.backend.probes import distribution_version, module_installed
+from yirage.backend.runtime_contract import PERSISTENT, PersistentRuntime
 
 YIRAGE_PLUGIN_API = 1
 
@@ -55,8 +56,9 @@ class CPUBackend(yirage.Backend):
 
     kernel_dtypes = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
     persistent_weight_formats = frozenset({"float32", "bfloat16", "float16", "q8_0", "q4_0"})
+    persistent_kind = PERSISTENT  # worker and scheduler threads (pk_runtime)
 
-    def persistent_runtime(self, program: Any, config: Any) -> Any:
+    def persistent_runtime(self, program: Any, config: Any) -> PersistentRuntime:
         from yirage_backend_cpu.pk_runtime import CPUPersistentRuntime
 
         self.require_available()
@@ -91,7 +93,7 @@ class CPUBackend(yirage.Backend):
         return with_threads(compile_plan(self, plan), self.applied_threads())
 
     def applied_threads(self) -> int | None:
-        """The ``threads`` of the configuration ``backend_manager.py optimize --backend cpu --apply`` saved for
+        """The ``threads`` of the configuration ``yirage_backend_manager.py optimize --backend cpu --apply`` saved for
         this device (kernel graphs then run on that many numba threads); None: numba's default."""
         from yirage.autoconfig import saved_for
         from yirage.backend.base import checked_device_info

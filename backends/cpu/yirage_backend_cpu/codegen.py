@@ -43,7 +43,6 @@ def const(value: float, ct: str) -> str:
 def _spellings(ct: str) -> dict[str, Spelling]:
     """numba-Python for each IR function at compute type ``ct``."""
     f32 = ct == "float32"
-    one = const(1.0, ct)
     return {
         "add": lambda a: f"({a[0]} + {a[1]})",
         "sub": lambda a: f"({a[0]} - {a[1]})",
@@ -54,7 +53,6 @@ def _spellings(ct: str) -> dict[str, Spelling]:
         "min": lambda a: f"fmin({a[0]}, {a[1]})",
         "exp": lambda a: f"fexp({a[0]})" if f32 else f"math.exp({a[0]})",
         "sqrt": lambda a: f"math.sqrt({a[0]})",
-        "rsqrt": lambda a: f"({one} / math.sqrt({a[0]}))",
         "silu": lambda a: f"fsilu({a[0]})" if f32 else f"dsilu({a[0]})",
         "gelu": lambda a: f"fgelu({a[0]})" if f32 else f"dgelu({a[0]})",
         "relu": lambda a: f"fmax({a[0]}, {const(0, ct)})",

@@ -39,17 +39,18 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from yirage.persistent.control import HEADER, Ctl, CtlError
 from yirage_backend_cpu.atomics import atomic_add, atomic_load, atomic_store, cycle_counter
 from yirage_backend_cpu.backoff import SLEEP_US, SPIN_CYCLES, YIELD_CYCLES, cpu_relax, os_yield, sleep_us
 from yirage_backend_cpu.kernel_lib import FASTMATH
 from yirage_backend_cpu.sources import tie_caches_to_sources
 
 OPTS = {"fastmath": FASTMATH, "error_model": "numpy", "nogil": True, "cache": True}
-STOP, ERROR = 0, 1  # as pk_tasks' flags slots (pk_tasks checks they agree)
-# flags slots of the communication protocol, on their own cache line (the first eight are read by every task)
-REQUESTS, SERVED, PIPE_FD = 8, 9, 10
-FLAG_SLOTS = 16
-ERR_COMM, ERR_PIPE = 2, 3  # flags[ERROR]: a collective failed; the request could not be written to the pipe
+STOP, ERROR = int(Ctl.STOP), int(Ctl.ERROR)  # the control buffer's header (yirage.persistent.control)
+# flags slots of the communication protocol, on their own cache line after the header (which every task reads)
+REQUESTS, SERVED, PIPE_FD = HEADER, HEADER + 1, HEADER + 2
+FLAG_SLOTS = HEADER + 8
+ERR_COMM, ERR_PIPE = int(CtlError.COMM), int(CtlError.PIPE)  # flags[ERROR] when a collective fails
 SLICE_S = 0.1  # a collective waits in slices this long, re-checking the stop flag
 
 

@@ -12,7 +12,8 @@ while no scheduler is), which keeps any thread count deadlock-free. Between
 steps, one serial section (run by the last thread at the barrier) appends the
 picked token and advances ``step``.
 
-``flags`` (int64[4]) lets the run stop early: ``flags[STOP]`` is checked by
+``flags`` (the control buffer's header: yirage.persistent.control) lets the
+run stop early: ``flags[STOP]`` is checked by
 every thread between tasks and by the loop between steps (Ctrl-C sets it
 from Python, for a non-main thread through yirage.persistent.shutdown; a
 task that finds bad input sets it too, with an error code in ``flags[ERROR]``
@@ -34,11 +35,12 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from yirage.backend.runtime_contract import PERSISTENT
 from yirage.errors import NotSupportedError
 from yirage.persistent import shutdown
 from yirage.persistent.guard import Snapshot, check_tensor, token_out_of_range
 from yirage.persistent.program import PersistentProgram
-from yirage.persistent.specs import FloatCol, IntCol, kind_code
+from yirage.persistent.specs import FloatCol, IntCol
 from yirage_backend_cpu.atomics import atomic_add, atomic_load, atomic_store, cycle_counter
 from yirage_backend_cpu.pk_calls import call_decode
 from yirage_backend_cpu.pk_comm import ERR_COMM, ERR_PIPE, FLAG_SLOTS, Communicator
@@ -46,7 +48,6 @@ from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q4_BYTES, Q8_0, Q8_0G, Q8_B
 from yirage_backend_cpu.pk_tasks import (
     ATTN,
     BF16,
-    BODIES,
     C_HEAD_DIM,
     C_K,
     C_KIND,
@@ -61,9 +62,11 @@ from yirage_backend_cpu.pk_tasks import (
     I64,
     OPTS,
     STOP,
+    TASKS,
     check_compiled_layout,
     execute,
     i64s,
+    pick_rows,
 )
 from yirage_backend_cpu.pk_team import (
     ABORT,
@@ -196,7 +199,7 @@ def decode(addr, tdt, tnum, lp, lf, task_layer, task_index, ev_ptr, ev_list, wai
     ev_q = np.empty(max(n_events, 1), np.int64)
     pending = np.empty(n_tasks, np.int64)
     counts = np.empty(max(n_events, 1), np.int64)
-    ctl = np.zeros(8, np.int64)
+    ctl = np.zeros(8, np.int64)  # the step's queue counters (claimed / filled slots, running roles); not ``flags``
     sync = np.zeros(8, np.int64)
     tokens = i64s(addr[tokens_id], batch * tok_cols)
     step = i64s(addr[step_id], batch)
@@ -237,7 +240,12 @@ def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 class CPUPersistentRuntime:
-    """Lays the frozen program's tensors, descriptors and task graph out as arrays for ``decode``."""
+    """Lays the frozen program's tensors, descriptors and task graph out as arrays for ``decode``.
+
+    ``PERSISTENT``: it honours ``num_workers`` and ``num_local_schedulers`` (capped at numba's threads).
+    """
+
+    kind = PERSISTENT
 
     def __init__(self, program: PersistentProgram, config: dict[str, int]) -> None:
         import torch
@@ -248,10 +256,7 @@ class CPUPersistentRuntime:
         if program.tokens.dtype != torch.int64 or program.step.dtype != torch.int64:
             raise NotSupportedError("the CPU PersistentKernel runtime needs int64 step and tokens tensors; "
                                     "create them with dtype=torch.int64")
-        unknown = sorted({layer.kind for layer in program.layers if kind_code(layer.kind) not in BODIES})
-        if unknown:
-            raise NotSupportedError(f"the CPU PersistentKernel runtime has no task body for layer kinds {unknown}; "
-                                    "add them to pk_runtime.execute, or use backend='reference'")
+        TASKS.require(layer.kind for layer in program.layers)
         self.keep: list[Any] = []
         # buffers made here from the user's tensors (float copies of norms, Q4_0 repacked in 8-row groups):
         # remade before a run when torch's version counter says the source changed in place
@@ -306,7 +311,8 @@ class CPUPersistentRuntime:
         self.scratch = np.zeros(max(1, self.workers + self.schedulers) * scratch, np.float32)
         self.ids = (program.tokens_id, program.tokens.shape[1], self._step_id(), program.pick_id)
         self.steps_run = np.zeros(1, np.int64)
-        # STOP, ERROR, ERR_VALUE, ERR_ROW (module docstring), YIELDS, SLEEPS; slots 8 .. 15: pk_comm's protocol
+        # the control buffer's header (yirage.persistent.control: STOP, ERROR, ERR_ROW, ERR_VALUE; its spares
+        # YIELDS, SLEEPS), then pk_comm's line; the row flags live in decode's own ``active`` array
         self.flags = np.zeros(FLAG_SLOTS, np.int64)
         # the communication thread of a multi-rank kernel (collective layers), None for one rank
         self.comm = Communicator(program, self.values) if any(
@@ -347,6 +353,16 @@ class CPUPersistentRuntime:
 
     def value(self, name: str) -> Any:
         return self.values[name]
+
+    def pick(self, logits: Any) -> Any:
+        """The picker layer alone on ``logits`` at the current positions (PersistentRuntime.pick), with the decode
+        step's own sampler (``pk_tasks.pick_rows``)."""
+        picker = self.program.picker
+        x, out = self.values[picker.inputs["input"].name], self.values[picker.output.name]
+        x.copy_(logits)
+        pick_rows(self.lp, self.lf, picker.index, x.view(-1).numpy(), self.program.step.numpy(),
+                  out.view(-1).numpy(), self.program.batch)
+        return out[:, 0]
 
     def stop(self) -> None:
         """Ask the decode in flight to stop between tasks (committed steps stay in tokens/step)."""

@@ -22,8 +22,9 @@ import numpy as np
 from numba import njit
 from numba.core.registry import CPUDispatcher
 
+from yirage.persistent.control import Ctl, CtlError
+from yirage.persistent.runtime import register_task_bodies
 from yirage.persistent.specs import LAYER_SPECS, FloatCol, IntCol, kind_code, layout_fingerprint
-from yirage_backend_cpu import pk_comm
 from yirage_backend_cpu.atomics import atomic_store
 from yirage_backend_cpu.float_dot import CHUNK, dot_bf16_row, dot_f16_row, dot_f32_row
 from yirage_backend_cpu.kernel_lib import FASTMATH, as_pointer, fexp, fmax, fsilu, half_to_float, racc, rfma
@@ -36,18 +37,22 @@ F = np.float32
 OPTS = {"fastmath": FASTMATH, "error_model": "numpy", "nogil": True, "cache": True}
 
 F32, BF16, F16, I64 = 0, 1, 2, 3  # tensor dtype codes of the address table (quantized: pk_quant's Q8_0, Q4_0)
-STOP, ERROR, ERR_VALUE, ERR_ROW = range(4)  # flags slots (pk_comm's protocol uses slots 8 .. 15)
-ERR_TOKEN = 1  # flags[ERROR]: a token id outside the embed table (pk_comm: 2 and 3, a failed collective)
-if (STOP, ERROR) != (pk_comm.STOP, pk_comm.ERROR):
-    raise AssertionError("pk_comm must use pk_tasks' STOP and ERROR flags slots")
+# flags: the control buffer's header (yirage.persistent.control), as plain ints numba freezes into the code
+STOP, ERROR, ERR_VALUE, ERR_ROW = (int(s) for s in (Ctl.STOP, Ctl.ERROR, Ctl.ERR_VALUE, Ctl.ERR_ROW))
+ERR_TOKEN = int(CtlError.TOKEN)  # flags[ERROR]: a token id outside the embed table (pk_comm: a failed collective)
 
 # Kind codes and descriptor columns come from the core's LayerSpec table (yirage.persistent.specs); numba
 # freezes these module globals into the compiled code, and LAYOUT makes a changed table recompile it.
 EMBED, RMSLIN, ATTN, LINRES, SILURES, ARGMAX, SAMPLE, ALLRED, ALLGAT = (kind_code(k) for k in (
     "embed", "rmsnorm_linear", "attention", "linear_with_residual", "silu_mul_linear_with_residual", "argmax",
     "sample", "allreduce", "allgather"))
-# the kinds execute() has a body for (the collectives' bodies hand the layer to pk_comm's thread)
-BODIES = frozenset({EMBED, RMSLIN, ATTN, LINRES, SILURES, ARGMAX, SAMPLE, ALLRED, ALLGAT})
+# the kinds execute() has a branch for, by the kind code it tests (the collectives' branch hands the layer to
+# pk_comm's thread); checked against the core's LayerSpec table at import
+TASKS = register_task_bodies("cpu", {
+    "embed": EMBED, "rmsnorm_linear": RMSLIN, "attention": ATTN, "linear_with_residual": LINRES,
+    "silu_mul_linear_with_residual": SILURES, "argmax": ARGMAX, "sample": SAMPLE, "allreduce": ALLRED,
+    "allgather": ALLGAT,
+}, where="yirage_backend_cpu.pk_tasks (a branch of execute, its kind code named in pk_tasks.TASKS)")
 C_KIND, C_OUT, C_K, C_N, C_TASKS = (int(c) for c in (IntCol.KIND, IntCol.OUTPUT, IntCol.K, IntCol.N, IntCol.TASKS))
 C_KV_HEADS, C_GROUP, C_HEAD_DIM, C_SEQ = (int(c) for c in (IntCol.KV_HEADS, IntCol.GROUP, IntCol.HEAD_DIM,
                                                            IntCol.CACHE_SEQ))
@@ -282,6 +287,21 @@ def sample_row(logits, base, vocab, temperature, top_k, top_p, state):  # type: 
 
 
 @njit(**OPTS)
+def pick_rows(lp, lf, layer, logits, step, picked, batch):  # type: ignore[no-untyped-def]
+    """The picker layer ``layer`` (argmax or sampling) on every row of ``logits`` at positions ``step``: the decode
+    step's last task, and ``CPUPersistentRuntime.pick`` (a prompt's first token) alike."""
+    k = lp[layer, C_K]
+    for b in range(batch):
+        if lp[layer, C_KIND] == ARGMAX:
+            picked[b] = argmax_row(logits, b * k, k)
+        else:
+            # seeded by position, so a run repeats whatever ran before it
+            state = np.uint64(lp[layer, C_SEED] * 1000003 + step[b] * 7919 + b * 104729 + 1)
+            picked[b] = sample_row(logits, b * k, k, lf[layer, F_TEMPERATURE], lp[layer, C_TOP_K],
+                                   lf[layer, F_TOP_P], state)
+
+
+@njit(**OPTS)
 def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scratch, step, tokens, tok_cols,
             none, flags):  # type: ignore[no-untyped-def]
     layer = task_layer[task]
@@ -292,16 +312,8 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
     tasks = lp[layer, C_TASKS]
     k = lp[layer, C_K]
     if kind == ARGMAX or kind == SAMPLE:
-        logits = f32s(addr[lp[layer, PICK_X]], tnum[lp[layer, PICK_X]])
-        picked = i64s(addr[out_id], batch)
-        for b in range(batch):
-            if kind == ARGMAX:
-                picked[b] = argmax_row(logits, b * k, k)
-            else:
-                # seeded by position, so a run repeats whatever ran before it
-                state = np.uint64(lp[layer, C_SEED] * 1000003 + step[b] * 7919 + b * 104729 + 1)
-                picked[b] = sample_row(logits, b * k, k, lf[layer, F_TEMPERATURE], lp[layer, C_TOP_K],
-                                       lf[layer, F_TOP_P], state)
+        pick_rows(lp, lf, layer, f32s(addr[lp[layer, PICK_X]], tnum[lp[layer, PICK_X]]), step,
+                  i64s(addr[out_id], batch), batch)
         return
     out = f32s(addr[out_id], tnum[out_id])
     cols = n // tasks

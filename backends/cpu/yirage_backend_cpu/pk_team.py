@@ -25,12 +25,14 @@ from __future__ import annotations
 
 from numba import njit
 
+from yirage.persistent.control import Ctl
 from yirage_backend_cpu.atomics import atomic_add, atomic_cas, atomic_load, cycle_counter
 from yirage_backend_cpu.backoff import SLEEP_US, SPIN_CYCLES, YIELD_CYCLES, cpu_relax, os_yield, sleep_us
 from yirage_backend_cpu.pk_tasks import OPTS, STOP
 from yirage_backend_cpu.sources import tie_caches_to_sources
 
-YIELDS, SLEEPS = 4, 5  # flags slots after pk_tasks' four: how often idle threads yielded / slept in a run
+# flags slots (the control header's spares): how often idle threads yielded / slept in a run
+YIELDS, SLEEPS = int(Ctl.SPARE_0), int(Ctl.SPARE_1)
 # sync slots: barrier generation, threads arrived, threads entered, the gather's decision, steps done, done flag
 GEN, ARRIVED, ENTERED, STATE, STEPS, DONE = range(6)
 GATHERING, GO, ABORT = 0, 1, 2

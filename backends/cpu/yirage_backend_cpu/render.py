@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from yirage.codegen.emit import Emitter
 from yirage.codegen.exprs import compute_type, expr_cost, has_rotate
-from yirage.compiler.indexing import broadcast_strides, coalesce
+from yirage.codegen.indexing import broadcast_strides, coalesce
 from yirage.compiler.kernel_ir import Attention, Buffer, Embedding, KernelPlan, Load, Matmul, Pointwise, Row
 from yirage.graph.kernel_graph import contiguous_strides
 from yirage_backend_cpu.codegen import (

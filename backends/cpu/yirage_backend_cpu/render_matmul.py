@@ -22,7 +22,7 @@ import math
 
 from yirage.codegen.emit import Emitter
 from yirage.codegen.exprs import compute_type
-from yirage.compiler.indexing import broadcast_strides
+from yirage.codegen.indexing import broadcast_strides
 from yirage.compiler.kernel_ir import Buffer, Load, Matmul, loads
 from yirage.graph.kernel_graph import contiguous_strides
 from yirage_backend_cpu.codegen import (

@@ -20,14 +20,16 @@ logger = logging.getLogger("yirage.cpu")
 
 
 def backend_fingerprint() -> str:
-    """Hash of the backend's own sources and of the core's descriptor layout (the decode loop reads its columns).
+    """Hash of the backend's own sources and of the core's descriptor and control-buffer layouts (the decode
+    loop reads their columns and slots, frozen into its code).
 
     Generated kernels and cached functions depend on all of them.
     """
-    from yirage.persistent import specs
+    from yirage.persistent import control, specs
 
-    return source_fingerprint(Path(__file__).parent) + "-" + source_fingerprint(Path(specs.__file__).parent,
-                                                                               Path(specs.__file__).name)
+    core = Path(specs.__file__).parent
+    return "-".join([source_fingerprint(Path(__file__).parent), source_fingerprint(core, Path(specs.__file__).name),
+                     source_fingerprint(core, Path(control.__file__).name)])
 
 
 _checked: set[str] = set()

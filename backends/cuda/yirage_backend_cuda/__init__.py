@@ -16,7 +16,7 @@ Per kernel class, kernels may run as Triton instead (``YIRAGE_CUDA_KERNELS``,
 ``CUDABackend.kernel_languages``; ``languages.py`` and ``mixed.py``): both
 renderings go into one cache entry and one launcher runs the plan in order.
 ``compile_check`` (any sources) and ``check_conformance`` (every plan of the
-conformance kit) are the compile-only entry points for CI and backend_manager.
+conformance kit) are the compile-only entry points for CI and yirage_backend_manager.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 
 import yirage
 from yirage.backend.probes import TorchCudaFacts, TorchDevice, torch_cuda_facts, torch_cuda_memory
+from yirage.backend.runtime_contract import LAUNCHED
 from yirage.compiler.cache import write_private
 from yirage_backend_cuda.check import DEFAULT_ARCHS, CheckFailure, CheckReport, check_conformance, compile_check
 from yirage_backend_cuda.languages import KernelLanguageError, choose, from_env, parse_kernel_languages
@@ -63,6 +64,21 @@ class CUDABackend(yirage.Backend):
     device_kind = "gpu"
     description = "CUDA C kernels (NVRTC/nvcc) on NVIDIA GPUs"
     kernel_dtypes = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
+
+    #: each decode step as launched CUDA C task kernels, captured once as a CUDA graph (pk_runtime.py)
+    persistent_kind = LAUNCHED
+
+    def persistent_runtime(self, program: Any, config: Any) -> Any:
+        """The program's task kernels (the core's C-family renderer, CUDA dialect) launched per decode step and
+        replayed as a CUDA graph: ``pk_runtime.CudaPersistentRuntime``."""
+        from yirage_backend_cuda.pk_runtime import cuda_runtime
+
+        self.require_available()
+        return cuda_runtime(program, config)
+
+    def default_config(self, device: yirage.DeviceInfo) -> dict[str, int]:
+        """One stream runs a step's launches in order (the counts are ignored: ``LAUNCHED``)."""
+        return {"num_workers": 1, "num_local_schedulers": 0}
 
     def collective_backend(self) -> str | None:
         """Ranks of a tensor-parallel run on NVIDIA GPUs talk through NCCL (a CUDA build of torch has it)."""
@@ -186,10 +202,10 @@ class CUDABackend(yirage.Backend):
 
         Any NVRTC error or warning raises CompileError before anything is written.
         """
-        from yirage_backend_cuda.launch import META_PREFIX, SOURCE_NAME
+        from yirage_backend_cuda.launch import SOURCE_NAME
         from yirage_backend_cuda.mixed import TRITON_SOURCE_NAME, split_source
 
-        source, triton = split_source(source, META_PREFIX)
+        source, triton = split_source(source)
         cubins = {arch: compile_cuda(source, arch, name=SOURCE_NAME, options=BUILD_OPTIONS).cubin
                   for arch in self.target().split(",")}
         paths = [workdir / SOURCE_NAME]

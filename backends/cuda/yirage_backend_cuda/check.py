@@ -1,4 +1,4 @@
-"""Compile-only checking of CUDA sources for CI and ``tools/backend_manager.py test cuda``.
+"""Compile-only checking of CUDA sources for CI and ``tools/yirage_backend_manager.py test cuda``.
 
 There is no GPU in CI, so what can be checked is that every source compiles
 with NVRTC for every target arch without an error or warning, gives a cubin
@@ -135,10 +135,9 @@ def conformance_sources(*, timeout: float = 900) -> dict[str, str]:
     sources.update({name: cuda.render(build_plan(g)) for name, g in gemm_graphs().items()})
     # with kernels set to Triton (YIRAGE_CUDA_KERNELS) a source also holds the Triton module: NVRTC gets the CUDA C,
     # which always has every kernel of the plan
-    from yirage_backend_cuda.launch import META_PREFIX
     from yirage_backend_cuda.mixed import split_source
 
-    return {name: split_source(source, META_PREFIX)[0] for name, source in sources.items()}
+    return {name: split_source(source, name)[0] for name, source in sources.items()}
 
 
 def gemm_graphs() -> dict[str, Any]:
@@ -169,3 +168,48 @@ def gemm_graphs() -> dict[str, Any]:
 def check_conformance(archs: Sequence[str] = DEFAULT_ARCHS, *, workers: int | None = None) -> CheckReport:
     """``compile_check`` of every conformance plan with the backend's build options: CI's compile-only CUDA test."""
     return compile_check(conformance_sources(), archs, options=BUILD_OPTIONS, workers=workers)
+
+
+#: the PersistentKernel programs the compile-only check renders: (name, config.json overrides, dtype, batch,
+#: sampling); two layers each (layers of one shape share their kernels, so more layers add no kernel text)
+PK_MODELS = (
+    ("llama-gqa-f32", {"hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 8,
+                       "num_key_value_heads": 2, "vocab_size": 320}, "float32", 2, False),
+    ("qwen2-bias-tied-bf16-sampling", {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96,
+                                       "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 288,
+                                       "tie_word_embeddings": True}, "bfloat16", 2, True),
+    ("llama-f16", {"hidden_size": 96, "intermediate_size": 192, "num_attention_heads": 6,
+                   "num_key_value_heads": 2, "vocab_size": 256}, "float16", 1, False),
+    ("smollm2-shape-bf16", {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+                            "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True},
+     "bfloat16", 1, False),
+)
+
+
+def persistent_sources() -> dict[str, str]:
+    """The CUDA source the cuda PersistentKernel runtime builds for each of ``PK_MODELS`` (random weights)."""
+    import torch
+
+    from yirage.models.config import LlamaConfig
+    from yirage.models.llama import LlamaModel
+    from yirage_backend_cuda.pk_runtime import render_cuda
+
+    sources = {}
+    for name, overrides, dtype, batch, sampling in PK_MODELS:
+        config = LlamaConfig.from_dict({"model_type": "llama", "num_hidden_layers": 2, **overrides})
+        gen = torch.Generator().manual_seed(0)
+        weights = {n: torch.randn(shape, generator=gen) * 0.1 for n, shape in config.weight_shapes().items()
+                   if not (config.tie_embeddings and n == "lm_head.weight")}
+        model = LlamaModel(config, weights, dtype)
+        model.reset_cache(batch, 32)
+        tokens, step = torch.zeros(batch, 32, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64)
+        picking = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 1} if sampling else None
+        program = model.build_decoder(step, tokens, backend="reference", sampling=picking).program
+        sources[f"pk-{name}"] = render_cuda(program).source
+    return sources
+
+
+def check_persistent(archs: Sequence[str] = DEFAULT_ARCHS, *, workers: int | None = None) -> CheckReport:
+    """``compile_check`` of the cuda PersistentKernel runtime's sources (``persistent_sources``), with the build
+    options it uses: the PersistentKernel half of the compile-only CUDA check."""
+    return compile_check(persistent_sources(), archs, options=BUILD_OPTIONS, workers=workers)

@@ -26,6 +26,7 @@ from yirage_backend_cuda.nvrtc import INSTALL, ToolchainError
 SCALARS: dict[str, Any] = {"int32": ctypes.c_int32, "int64": ctypes.c_int64, "uint32": ctypes.c_uint32,
                            "float32": ctypes.c_float}
 MAX_THREADS = 1024
+MAX_GRID_X = 2**31 - 1
 
 
 class LaunchError(YirageError, ValueError):
@@ -164,6 +165,16 @@ class CudaModule:
         with self.current():
             return call(self.driver, "cuModuleGetFunction", self.driver.cuModuleGetFunction(self._module,
                                                                                              name.encode()))
+
+    def launchable(self, name: str, groups: int, local: int, renderer: str) -> Any:
+        """The ``CUfunction`` of ``name`` once a 1-D launch of ``groups`` blocks of ``local`` threads is known to fit
+        it; else LaunchError naming the renderer whose geometry was wrong (``renderer``: who to report it to)."""
+        fn = self.function(name)
+        limit = self.max_threads(fn)
+        if not 1 <= local <= limit or not 1 <= groups <= MAX_GRID_X:
+            raise LaunchError(f"kernel {name} is launched with {groups} blocks of {local} threads; it allows "
+                              f"1..{limit} threads and 1..{MAX_GRID_X} blocks. A bug in {renderer}: report it")
+        return fn
 
     def max_threads(self, fn: Any) -> int:
         """The most threads a block of ``fn`` may have (its registers and ``__launch_bounds__`` decide)."""

@@ -17,10 +17,10 @@ The choice is made when the call is enqueued (for a CUDA graph: at capture).
 
 from __future__ import annotations
 
-from yirage.backend.gemm_steps import Gemm, gemm_from_json, run_gemm
+from yirage.backend.gemm_steps import Gemm, run_gemm
 from yirage.codegen.cstyle_matmul import HOST_GEMM_MIN_MNK
 
-__all__ = ["HOST_GEMM_MIN_MNK", "Gemm", "gemm_from_json", "run_gemm", "use_cublas"]
+__all__ = ["HOST_GEMM_MIN_MNK", "Gemm", "run_gemm", "use_cublas"]
 
 
 def use_cublas(gemm: Gemm) -> bool:

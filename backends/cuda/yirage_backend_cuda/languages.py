@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 
-from yirage.codegen.cstyle import Check
 from yirage.compiler.kernel_ir import Attention, Embedding, Kernel, KernelPlan, Matmul, Pointwise, Row
 from yirage.errors import YirageError
 
@@ -41,28 +39,6 @@ TRITON_SCRATCH = "triton:"  # prefix of the Triton rendering's scratch buffers i
 
 class KernelLanguageError(YirageError, ValueError):
     """A kernel-language setting that names an unknown language or kernel class."""
-
-
-@dataclass(frozen=True)
-class TritonStep:
-    """One Triton launch of a mixed plan: ``kernel[grid](*tensors named by args, **constexprs, num_warps=...)``."""
-
-    kernel: str
-    args: tuple[str, ...]
-    programs: int
-    tiles: tuple[tuple[int, str], ...]
-    constexprs: tuple[tuple[str, int], ...]
-    num_warps: int
-    check: Check | None = None
-
-    @property
-    def grid(self) -> int:
-        """The 1-D grid, as the Triton renderer defines it (``TritonLaunch.grid_for``)."""
-        params = dict(self.constexprs)
-        blocks = 1
-        for extent, name in self.tiles:
-            blocks *= -(-extent // params[name])
-        return max(1, self.programs * blocks)
 
 
 def parse_kernel_languages(value: str | Mapping[str, str] | None, where: str = ENV) -> dict[str, str]:
@@ -137,4 +113,4 @@ def owner(launch: str, kernels: list[str]) -> str:
 
 
 __all__ = ["CLASS_NAMES", "ENV", "KERNEL_CLASSES", "LANGUAGES", "TRITON_SCRATCH", "KernelLanguageError",
-           "TritonStep", "choose", "from_env", "kernel_class", "owner", "parse_kernel_languages"]
+           "choose", "from_env", "kernel_class", "owner", "parse_kernel_languages"]

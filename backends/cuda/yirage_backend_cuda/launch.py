@@ -1,10 +1,10 @@
 """Run a rendered plan on torch CUDA tensors through the driver API, with a CUDA-graph-capturable call path.
 
-``render_source`` puts the launch metadata (buffers, kernels in order,
-scratch, status checks) as one JSON comment line on top of the CUDA source,
-and ``build`` keeps that source in the cache entry beside the cubins, so the
-entry alone is enough to load. ``load`` loads the cubin of the device's arch
-once per process and device and returns a ``PlanLauncher``.
+``render_source`` puts the launch header (``yirage.codegen.launch``: buffers,
+kernels in order, scratch, status checks) on top of the CUDA source, and
+``build`` keeps that source in the cache entry beside the cubins, so the entry
+alone is enough to load. ``load`` loads the cubin of the device's arch once
+per process and device (``Artifact.load_once``) and returns a ``PlanLauncher``.
 
 A call (``launcher(inputs) -> outputs``) checks what only this boundary knows:
 each input is on the module's device (``cuda:N``, not just any CUDA device)
@@ -17,8 +17,8 @@ with ``cuMemsetD8Async`` and runs the rendered steps in order on torch's current
 stream: kernels through ``cuLaunchKernel``, the renderer's ``Gemm`` steps (large
 matmuls) as ``torch.matmul`` (``gemm.py``; or their IEEE fallback kernel).
 
-Kernels set to run as Triton (``languages.py``) are steps too: ``TritonStep``
-launches (``mixed.TritonRunner``, over the entry's ``kernels.py``) on torch's
+Kernels set to run as Triton (``languages.py``) are steps too: ``TritonLaunch``
+steps (``mixed.TritonRunner``, over the entry's ``kernels.py``) on torch's
 current stream, in plan order between the CUDA launches, on the same
 outputs and temporaries; their scratch (named ``triton:...``) is allocated and
 zeroed like the CUDA scratch, and their status flags are read the same way, so
@@ -60,60 +60,21 @@ the device; reading it needs the host to wait. Two call modes:
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from yirage.codegen.cstyle import Check, Gemm, Launch, Scratch, render
+from yirage.codegen.cstyle import render
 from yirage.codegen.dialects.cuda import DIALECT
+from yirage.codegen.launch import C_COMMENT, Check, Gemm, Launch, LaunchHeader, TritonLaunch
 from yirage.compiler.kernel_ir import KernelPlan
 from yirage.compiler.stages import Artifact
-from yirage.errors import YirageError
 from yirage_backend_cuda.driver import CudaModule, LaunchError, call
-from yirage_backend_cuda.gemm import gemm_from_json, run_gemm, use_cublas
-from yirage_backend_cuda.languages import TritonStep
-from yirage_backend_cuda.mixed import TRITON_SOURCE_NAME, TritonRunner, triton_step_from_json
+from yirage_backend_cuda.gemm import run_gemm, use_cublas
+from yirage_backend_cuda.mixed import TRITON_SOURCE_NAME, TritonRunner
 
 SOURCE_NAME = "kernels.cu"
-META_PREFIX = "// yirage-launch: "
-MAX_GRID_X = 2**31 - 1
-
-
-class MetaError(YirageError, ValueError):
-    """A cache entry whose source has no readable launch metadata line (not written by this backend)."""
-
-
-@dataclass(frozen=True)
-class PlanMeta:
-    """How to launch a rendered plan: what ``render_source`` writes on the source's first line."""
-
-    inputs: tuple[tuple[str, int, str], ...]  # (buffer, graph input index, dtype)
-    buffers: tuple[tuple[str, tuple[int, ...], str, str], ...]  # outputs and temps: (name, dims, dtype, role)
-    outputs: tuple[str, ...]
-    launches: tuple[Launch, ...]  # every kernel of the source
-    scratch: tuple[Scratch, ...]
-    steps: tuple[Launch | Gemm | TritonStep, ...]  # what a call runs, in order (a Gemm's fallback is not a step)
-    triton: tuple[TritonStep, ...] = ()  # kernels run as Triton (``languages.py``): their module is kernels.py
-
-
-def _meta_dict(plan: KernelPlan, launches: Sequence[Launch], scratch: Sequence[Scratch],
-               steps: Sequence[Launch | Gemm | TritonStep]) -> dict[str, Any]:
-    def step(x: Launch | Gemm | TritonStep) -> dict[str, Any]:
-        if isinstance(x, Gemm):
-            return {"gemm": asdict(x)}
-        return {"triton": x.kernel} if isinstance(x, TritonStep) else {"kernel": x.kernel}
-
-    return {
-        "inputs": [[n, plan.buffers[n].index, plan.buffers[n].dtype.name] for n in plan.inputs],
-        "buffers": [[b.name, list(b.dims), b.dtype.name, b.role] for b in plan.buffers.values() if b.role != "input"],
-        "outputs": list(plan.outputs),
-        "launches": [asdict(x) for x in launches],
-        "scratch": [asdict(s) for s in scratch],
-        "steps": [step(x) for x in steps],
-    }
 
 
 def render_source(plan: KernelPlan, languages: Mapping[str, str] | None = None) -> str:
@@ -125,41 +86,17 @@ def render_source(plan: KernelPlan, languages: Mapping[str, str] | None = None) 
     if languages and "triton" in {languages.get(k.name, "cuda") for k in plan.kernels}:
         from yirage_backend_cuda.mixed import render_mixed
 
-        choice = {k.name: languages.get(k.name, "cuda") for k in plan.kernels}
-        return render_mixed(plan, choice, lambda *parts: _meta_dict(plan, *parts), META_PREFIX)
+        return render_mixed(plan, {k.name: languages.get(k.name, "cuda") for k in plan.kernels})
     rendered = render(plan, DIALECT)
-    meta = _meta_dict(plan, rendered.launches, rendered.scratch, rendered.steps)
-    return META_PREFIX + json.dumps(meta, separators=(",", ":")) + "\n" + rendered.source
+    return LaunchHeader.of(plan, rendered.launches, rendered.scratch, rendered.steps).write(rendered.source, C_COMMENT)
 
 
-def read_meta(source: str, where: str) -> PlanMeta:
-    """The PlanMeta on ``source``'s first line; MetaError (naming ``where``) when it is missing or malformed."""
-    header, _, _ = source.partition("\n")
-    fix = f"delete {where}'s cache entry so it is rebuilt, or render the plan with yirage_backend_cuda's render"
-    if not header.startswith(META_PREFIX):
-        raise MetaError(f"{where} does not start with the launch metadata line ({META_PREFIX.strip()!r}); {fix}")
-    try:
-        m = json.loads(header.removeprefix(META_PREFIX))
-        meta = PlanMeta(
-            inputs=tuple((str(n), int(i), str(d)) for n, i, d in m["inputs"]),
-            buffers=tuple((str(n), tuple(int(x) for x in dims), str(d), str(r)) for n, dims, d, r in m["buffers"]),
-            outputs=tuple(str(n) for n in m["outputs"]),
-            launches=tuple(Launch(x["kernel"], tuple(x["args"]), int(x["groups"]), int(x["local"]),
-                                  Check(**x["check"]) if x["check"] else None) for x in m["launches"]),
-            scratch=tuple(Scratch(s["name"], int(s["count"]), s["dtype"]) for s in m["scratch"]),
-            steps=(),
-            triton=tuple(triton_step_from_json(x) for x in m.get("triton", ())),
-        )
-        by_name = {x.kernel: x for x in meta.launches}
-        by_triton = {x.kernel: x for x in meta.triton}
-        steps = tuple(gemm_from_json(x["gemm"]) if "gemm" in x else by_triton[x["triton"]] if "triton" in x
-                      else by_name[x["kernel"]] for x in m["steps"])
-        return replace(meta, steps=steps)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise MetaError(f"the launch metadata of {where} is malformed ({type(exc).__name__}: {exc}); {fix}") from exc
+def read_meta(source: str, where: str) -> LaunchHeader:
+    """The launch header of a CUDA source; LaunchHeaderError (naming ``where``) when it is missing or damaged."""
+    return LaunchHeader.read(source, where, C_COMMENT)
 
 
-def open_entry(artifact: Artifact, arch: str) -> tuple[PlanMeta, bytes]:
+def open_entry(artifact: Artifact, arch: str) -> tuple[LaunchHeader, bytes]:
     """The launch metadata and the ``arch`` cubin of a cache entry the CUDA backend built."""
     cubin = f"kernels.{arch}.cubin"
     if SOURCE_NAME not in artifact.files or cubin not in artifact.files:
@@ -170,31 +107,26 @@ def open_entry(artifact: Artifact, arch: str) -> tuple[PlanMeta, bytes]:
     return read_meta(source, str(artifact.directory / SOURCE_NAME)), (artifact.directory / cubin).read_bytes()
 
 
-_LAUNCHERS: dict[tuple[str, int], PlanLauncher] = {}  # (entry key, device) -> launcher: one module load each
-_LAUNCHERS_LOCK = threading.Lock()
-
-
 def load(artifact: Artifact, device_index: int) -> PlanLauncher:
     """Stage 3: a launcher over the entry's cubin for ``cuda:device_index``'s arch, loaded once per process."""
+    return artifact.load_once(lambda: _launcher(artifact, device_index), scope=device_index)
+
+
+def _launcher(artifact: Artifact, device_index: int) -> PlanLauncher:
     import torch
 
-    with _LAUNCHERS_LOCK:
-        launcher = _LAUNCHERS.get((artifact.key, device_index))
-        if launcher is None or artifact.rebuilt:
-            major, minor = torch.cuda.get_device_capability(device_index)
-            meta, cubin = open_entry(artifact, f"sm_{major}{minor}")
-            device = torch.device("cuda", device_index)
-            triton = None
-            if meta.triton:
-                if TRITON_SOURCE_NAME not in artifact.files:
-                    raise LaunchError(f"the compile-cache entry {artifact.directory} runs kernels as Triton but holds "
-                                      f"no {TRITON_SOURCE_NAME}: delete it so it is rebuilt")
-                triton = TritonRunner(artifact.directory / TRITON_SOURCE_NAME, artifact.key, device,
-                                      [x.kernel for x in meta.triton]).launch
-            launcher = PlanLauncher(meta, CudaModule(cubin, device_index), device,
-                                    lambda: torch.cuda.current_stream(device_index).cuda_stream, triton)
-            _LAUNCHERS[(artifact.key, device_index)] = launcher
-        return launcher
+    major, minor = torch.cuda.get_device_capability(device_index)
+    meta, cubin = open_entry(artifact, f"sm_{major}{minor}")
+    device = torch.device("cuda", device_index)
+    triton = None
+    if meta.triton:
+        if TRITON_SOURCE_NAME not in artifact.files:
+            raise LaunchError(f"the compile-cache entry {artifact.directory} runs kernels as Triton but holds "
+                              f"no {TRITON_SOURCE_NAME}: delete it so it is rebuilt")
+        triton = TritonRunner(artifact.directory / TRITON_SOURCE_NAME, artifact.key, device,
+                              [x.kernel for x in meta.triton]).launch
+    return PlanLauncher(meta, CudaModule(cubin, device_index), device,
+                        lambda: torch.cuda.current_stream(device_index).cuda_stream, triton)
 
 
 def status_error(check: Check, status: int, value: str) -> Exception:
@@ -211,8 +143,8 @@ class PlanLauncher:
     launches a Triton step on that stream (``mixed.TritonRunner.launch``); needed when the plan has any.
     """
 
-    def __init__(self, meta: PlanMeta, module: CudaModule, device: Any, stream: Callable[[], int],
-                 triton: Callable[[TritonStep, list[Any]], None] | None = None) -> None:
+    def __init__(self, meta: LaunchHeader, module: CudaModule, device: Any, stream: Callable[[], int],
+                 triton: Callable[[TritonLaunch, list[Any]], None] | None = None) -> None:
         import torch
 
         self.meta, self.module, self.device, self._stream = meta, module, device, stream
@@ -241,12 +173,8 @@ class PlanLauncher:
                               "entry and report it")
         self._functions: dict[str, tuple[Any, Launch, tuple[Any, ...]]] = {}
         for launch in meta.launches:
-            fn = module.function(launch.kernel)
-            limit = module.max_threads(fn)
-            if not 1 <= launch.local <= limit or not 1 <= launch.groups <= MAX_GRID_X:
-                raise LaunchError(f"kernel {launch.kernel} is launched with {launch.groups} blocks of {launch.local} "
-                                  f"threads; it allows 1..{limit} threads and 1..{MAX_GRID_X} blocks. A bug in "
-                                  "yirage's C-family renderer: report it with the graph (g.to_json())")
+            fn = module.launchable(launch.kernel, launch.groups, launch.local,
+                                   "yirage's C-family renderer (with the graph: g.to_json())")
             self._functions[launch.kernel] = (fn, launch, (ctypes.c_void_p,) * len(launch.args))
         self._check_steps()
         self._sticky: dict[str, Any] | None = None  # persistent status buffers of capturable calls
@@ -262,7 +190,7 @@ class PlanLauncher:
         dtypes.update(self._status_dtypes)
         bad = []
         for step in meta.steps:
-            if isinstance(step, TritonStep):
+            if isinstance(step, TritonLaunch):
                 kernels = []
                 bad += [f"Triton kernel {step.kernel}: {a} is not a buffer of the plan" for a in step.args
                         if a not in dtypes]
@@ -315,7 +243,7 @@ class PlanLauncher:
                     self._memset(tensors[name], stream)
             skipped = set()  # epilogue kernels of GEMMs whose fallback ran
             for step in self.meta.steps:
-                if isinstance(step, TritonStep):  # on torch's current stream too, in plan order
+                if isinstance(step, TritonLaunch):  # on torch's current stream too, in plan order
                     assert self._triton is not None  # __init__ refuses a plan with Triton steps and no runner
                     self._triton(step, [tensors[a] for a in step.args])
                     continue

@@ -1,9 +1,10 @@
 """Plans whose kernels run partly as CUDA C and partly as Triton (``languages.py`` says how a kernel is chosen).
 
 ``render_mixed`` renders the plan in both languages and writes one source: the
-launch metadata line (CUDA launches and ``Gemm`` steps of the kernels that stay
-CUDA C, ``triton`` launches of the others, every step in plan order, and the
-length of the Triton module), the CUDA C, then the Triton module.
+launch header (``yirage.codegen.launch``: CUDA launches and ``Gemm`` steps of
+the kernels that stay CUDA C, ``triton`` launches of the others, every step in
+plan order, and the length of the Triton module as ``triton_chars``), the CUDA
+C, then the Triton module.
 ``split_source`` separates them again for ``build`` (NVRTC compiles the CUDA
 part; the Triton module is written as ``kernels.py``). ``TritonRunner`` imports
 that module from the cache entry and launches one kernel on given torch tensors
@@ -15,20 +16,20 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from yirage.backend.probes import module_installed
-from yirage.codegen.cstyle import Gemm, Launch, render
+from yirage.codegen.cstyle import render
 from yirage.codegen.dialects.cuda import DIALECT
 from yirage.codegen.exprs import UnsupportedExprError
+from yirage.codegen.launch import C_COMMENT, Gemm, Launch, LaunchHeader, TritonLaunch
 from yirage.compiler.kernel_ir import KernelPlan
 from yirage.errors import BackendError
-from yirage_backend_cuda.languages import ENV, TRITON_SCRATCH, KernelLanguageError, TritonStep, kernel_class, owner
+from yirage_backend_cuda.languages import ENV, TRITON_SCRATCH, KernelLanguageError, kernel_class, owner
 
 TRITON_SOURCE_NAME = "kernels.py"
 #: keyword options of every Triton launch: no multiply-add contraction (IEEE results, as the CUDA C kernels')
@@ -50,11 +51,8 @@ def require_triton(plan: KernelPlan, languages: Mapping[str, str]) -> None:
         f"{ENV}=cuda to run every kernel as CUDA C")
 
 
-def render_mixed(plan: KernelPlan, languages: Mapping[str, str], meta_of: Any, prefix: str) -> str:
-    """The plan with each kernel in its language: metadata line, CUDA C, Triton module (module docstring).
-
-    ``meta_of(launches, scratch, steps)`` is the launch metadata dict of ``launch.render_source``.
-    """
+def render_mixed(plan: KernelPlan, languages: Mapping[str, str]) -> str:
+    """The plan with each kernel in its language: launch header, CUDA C, Triton module (module docstring)."""
     from yirage.codegen.triton import render_triton
 
     require_triton(plan, languages)
@@ -75,7 +73,7 @@ def render_mixed(plan: KernelPlan, languages: Mapping[str, str], meta_of: Any, p
         raise KernelLanguageError(f"Triton kernels {stray} are not named after a plan kernel of {names}: the Triton "
                                   f"renderer's names changed; a bug, report it with the graph and set {ENV}=cuda")
     launches = tuple(x for x in cuda.launches if languages[owner(x.kernel, names)] == "cuda")
-    steps: list[Launch | Gemm | TritonStep] = []
+    steps: list[Launch | Gemm | TritonLaunch] = []
     triton_steps = []
     renamed = {s.name: TRITON_SCRATCH + s.name for s in tri.scratch}
     for name in names:
@@ -84,42 +82,30 @@ def render_mixed(plan: KernelPlan, languages: Mapping[str, str], meta_of: Any, p
             continue
         for x in (x for x in tri.launches if x.kernel == name):
             check = replace(x.check, status=renamed[x.check.status]) if x.check else None
-            triton_steps.append(TritonStep(x.kernel, tuple(renamed.get(a, a) for a in x.args), x.programs, x.tiles,
-                                           x.constexprs, x.num_warps, check))
+            triton_steps.append(replace(x, args=tuple(renamed.get(a, a) for a in x.args), check=check))
             steps.append(triton_steps[-1])
     used = {a for x in launches for a in x.args} | {n for s in steps if isinstance(s, Gemm) for n in (s.a, s.out)}
     scratch = [s for s in cuda.scratch if s.name in used]
     used = {a for x in triton_steps for a in x.args}
     scratch += [replace(s, name=renamed[s.name]) for s in tri.scratch if renamed[s.name] in used]
-    meta = meta_of(launches, scratch, steps)
-    meta["triton"] = [asdict(x) for x in triton_steps]
-    meta["triton_chars"] = len(tri.source)
-    return prefix + json.dumps(meta, separators=(",", ":")) + "\n" + cuda.source + tri.source
+    header = LaunchHeader.of(plan, launches, scratch, steps, triton_steps, triton_chars=len(tri.source))
+    return header.write(cuda.source + tri.source, C_COMMENT)
 
 
-def split_source(source: str, prefix: str) -> tuple[str, str]:
-    """(the CUDA part with its metadata line, the Triton module or "") of a rendered source."""
-    header, _, _ = source.partition("\n")
-    chars = 0
-    if header.startswith(prefix):
-        try:
-            chars = int(json.loads(header.removeprefix(prefix)).get("triton_chars", 0))
-        except (ValueError, TypeError, AttributeError) as exc:
-            raise KernelLanguageError(f"the launch metadata line of a rendered plan is malformed ({exc}); render "
-                                      "it again with the cuda backend's render") from exc
+def split_source(source: str, where: str = "the rendered plan") -> tuple[str, str]:
+    """(the CUDA part with its launch header, the Triton module or "") of a rendered source.
+
+    A source without a launch header (hand-written CUDA C) is all CUDA part.
+    """
+    if not source.startswith(LaunchHeader.prefix(C_COMMENT)):
+        return source, ""
+    chars = LaunchHeader.read(source, where, C_COMMENT).extra.get("triton_chars", 0)
+    if type(chars) is not int or not 0 <= chars < len(source):
+        raise KernelLanguageError(f"the launch header of {where} gives the Triton module {chars!r} characters; "
+                                  "render the plan again with the cuda backend's render")
     if not chars:
         return source, ""
     return source[:-chars], source[-chars:]
-
-
-def triton_step_from_json(data: dict[str, Any]) -> TritonStep:
-    """A ``TritonStep`` from its launch-metadata form (``dataclasses.asdict``: tuples came back as lists)."""
-    from yirage.codegen.cstyle import Check
-
-    return TritonStep(str(data["kernel"]), tuple(str(a) for a in data["args"]), int(data["programs"]),
-                      tuple((int(e), str(n)) for e, n in data["tiles"]),
-                      tuple((str(n), int(v)) for n, v in data["constexprs"]), int(data["num_warps"]),
-                      Check(**data["check"]) if data["check"] else None)
 
 
 class TritonRunner:
@@ -143,7 +129,7 @@ class TritonRunner:
             raise TritonMissingError(f"{path} has no Triton kernels {missing}: a stale or foreign cache entry; "
                                      f"delete {path.parent} so it is rebuilt")
 
-    def launch(self, step: TritonStep, tensors: Sequence[Any]) -> None:
+    def launch(self, step: TritonLaunch, tensors: Sequence[Any]) -> None:
         """``kernel[grid](*tensors, **constexprs, num_warps=...)`` on the current stream of the device."""
         import contextlib
 
@@ -154,7 +140,7 @@ class TritonRunner:
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with on_device:
             try:
-                kernel[(step.grid,)](*tensors, **dict(step.constexprs), num_warps=step.num_warps, **TRITON_OPTIONS)
+                kernel[step.grid](*tensors, **step.params, num_warps=step.num_warps, **TRITON_OPTIONS)
             except Exception as exc:  # noqa: BLE001 - re-raised with the kernel and the module named
                 raise BackendError(
                     f"Triton failed on kernel {step.kernel} of {self.path} ({type(exc).__name__}: {exc}). A bug in "
@@ -180,4 +166,4 @@ def _import(path: Path, name: str) -> Any:
 
 
 __all__ = ["TRITON_OPTIONS", "TRITON_SOURCE_NAME", "TritonMissingError", "TritonRunner", "render_mixed",
-           "require_triton", "split_source", "triton_step_from_json"]
+           "require_triton", "split_source"]

@@ -9,5 +9,5 @@ Kernels (``_kernels``): kernel plans compile with the vendor's Triton port
 where it is installed and its driver reports the device (``_triton_probe``
 finds it without importing triton); otherwise they run as unfused torch ops
 on the device, and a PersistentKernel runs on the reference runtime. Each
-backend's ``kernel_path()`` says which and why (``backend_manager.py info``).
+backend's ``kernel_path()`` says which and why (``yirage_backend_manager.py info``).
 """

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import yirage
+from yirage.backend.runtime_contract import LAUNCHED, SERIAL, PersistentRuntime, RuntimeKind
 from yirage.backend.torch_stages import TORCH_LOWERING_DTYPES, TorchLoweringStages
 from yirage.backend.triton_stages import TRITON_DTYPES, TritonStages
 from yirage_backend_domestic._triton_probe import TritonInstall, active_target, installed_triton
@@ -177,7 +178,12 @@ class DomesticKernels(TorchLoweringStages, TritonStages, yirage.Backend):
         self._log_fallback()
         return self.torch_lowering(plan)
 
-    def persistent_runtime(self, program: Any, config: Any) -> Any:
+    @property
+    def persistent_kind(self) -> RuntimeKind:  # type: ignore[override]
+        """Launched Triton kernels on the Triton path, else the reference runtime's serial torch ops."""
+        return LAUNCHED if self.kernel_path().path == TRITON else SERIAL
+
+    def persistent_runtime(self, program: Any, config: Any) -> PersistentRuntime:
         """Launched Triton kernels per decode step, or the torch ops of the reference runtime, on the device."""
         if self.kernel_path().path == TRITON:
             from yirage.persistent.launched import LaunchedRuntime

@@ -1,10 +1,10 @@
 """The MPS stages: render a plan as Metal Shading Language, write it, compile it with torch and launch it.
 
-``render`` puts one comment line of JSON on top of the source saying how to
-launch it (inputs, buffers to allocate, kernels in order, scratch, status
-checks), so a cache entry alone is enough to load. The Metal compiler runs
-inside ``torch.mps.compile_shader`` at load (once per process and entry);
-``load`` keeps one kernel object per launch.
+``render`` puts the launch header (``yirage.codegen.launch``: inputs, buffers
+to allocate, kernels in order, scratch, status checks) on top of the source, so
+a cache entry alone is enough to load. The Metal compiler runs inside
+``torch.mps.compile_shader`` at load (once per process and entry:
+``Artifact.load_once``); ``load`` keeps one kernel object per launch.
 
 How torch binds a call (torch/csrc/mps/Module.cpp, ``_mps_MetalKernel.__call__``):
 positional argument ``i`` is ``[[buffer(i)]]``; a tensor is bound with
@@ -21,24 +21,22 @@ temporaries can go back to torch's allocator when it returns for the same reason
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from yirage.codegen.cstyle import Check, Launch, Rendered, Scratch, render
+from yirage.codegen.cstyle import render
 from yirage.codegen.dialects.metal import DIALECT
+from yirage.codegen.launch import C_COMMENT, Check, Launch, LaunchHeader
 from yirage.compiler.cache import write_private
 from yirage.compiler.kernel_ir import KernelPlan
 from yirage.compiler.stages import Artifact
 from yirage.errors import BackendError, NotSupportedError, YirageError
 
 SOURCE_NAME = "kernels.metal"
-META_PREFIX = "// yirage-launch: "
 MAX_BUFFERS = 31  # Metal's buffer argument table: [[buffer(0)]] .. [[buffer(30)]]
 MAX_GRID = (1 << 32) - 1  # thread_position_in_grid is a uint
 
@@ -49,52 +47,6 @@ class MetalBuildError(BackendError, RuntimeError):
 
 class LaunchArgumentError(YirageError, ValueError):
     """A tensor handed to a loaded Metal program is not on its device or not of the planned dtype."""
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    """What the launcher needs besides the source: the JSON header of a rendered plan, parsed.
-
-    ``inputs``: (buffer, graph input index, dtype); ``buffers``: (name, dims, dtype, role)
-    of every output and temporary the launcher allocates.
-    """
-
-    inputs: tuple[tuple[str, int, str], ...]
-    buffers: tuple[tuple[str, tuple[int, ...], str, str], ...]
-    outputs: tuple[str, ...]
-    launches: tuple[Launch, ...]
-    scratch: tuple[Scratch, ...]
-
-    @classmethod
-    def of(cls, plan: KernelPlan, rendered: Rendered) -> LaunchPlan:
-        return cls(
-            inputs=tuple((n, plan.buffers[n].index, plan.buffers[n].dtype.name) for n in plan.inputs),
-            buffers=tuple((b.name, tuple(b.dims), b.dtype.name, b.role) for b in plan.buffers.values()
-                          if b.role != "input"),
-            outputs=tuple(plan.outputs), launches=tuple(rendered.launches), scratch=tuple(rendered.scratch))
-
-    def header(self) -> str:
-        return META_PREFIX + json.dumps(asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def parse(cls, source: str, where: str) -> LaunchPlan:
-        """The header of ``source``; anything else raises MetalBuildError naming ``where``."""
-        header, _, _ = source.partition("\n")
-        try:
-            m = json.loads(header.removeprefix(META_PREFIX)) if header.startswith(META_PREFIX) else None
-            if m is None:
-                raise ValueError(f"the first line does not start with {META_PREFIX!r}")
-            return cls(
-                inputs=tuple((str(n), int(i), str(d)) for n, i, d in m["inputs"]),
-                buffers=tuple((str(n), tuple(int(x) for x in dims), str(d), str(r)) for n, dims, d, r in m["buffers"]),
-                outputs=tuple(str(n) for n in m["outputs"]),
-                launches=tuple(Launch(x["kernel"], tuple(x["args"]), int(x["groups"]), int(x["local"]),
-                                      Check(**x["check"]) if x["check"] else None) for x in m["launches"]),
-                scratch=tuple(Scratch(**s) for s in m["scratch"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise MetalBuildError(
-                f"{where} has no readable launch header ({type(exc).__name__}: {exc}); it was not written by this "
-                "version of yirage_backend_mps. Delete the entry (or run `yirage cache clear`) to rebuild it") from exc
 
 
 def check_limits(launches: Sequence[Launch]) -> None:
@@ -114,7 +66,7 @@ def render_source(plan: KernelPlan) -> str:
     """Stage 1: the MSL of ``plan`` behind one JSON comment line describing its launch."""
     rendered = render(plan, DIALECT)
     check_limits(rendered.launches)
-    return LaunchPlan.of(plan, rendered).header() + "\n" + rendered.source
+    return LaunchHeader.of(plan, rendered.launches, rendered.scratch).write(rendered.source, C_COMMENT)
 
 
 def build(source: str, workdir: Path) -> Path:
@@ -154,20 +106,10 @@ def torch_compile_shader(source: str) -> Any:
     return torch.mps.compile_shader(source)
 
 
-#: (cache key, compiler) -> compiled program: one Metal compile per process and entry
-_PROGRAMS: dict[tuple[str, Any], MetalProgram] = {}
-_PROGRAMS_LOCK = threading.Lock()
-
-
 def load(artifact: Artifact, compile_shader: Callable[[str], Any] = torch_compile_shader) -> MetalProgram:
-    """Stage 3: compile the entry's source (once per process and entry) and keep its kernels."""
-    with _PROGRAMS_LOCK:
-        program = _PROGRAMS.get((artifact.key, compile_shader))
-        if program is None or artifact.rebuilt:
-            program = MetalProgram(artifact.path.read_text(encoding="utf-8"), str(artifact.path),
-                                   compile_shader=compile_shader)
-            _PROGRAMS[(artifact.key, compile_shader)] = program
-        return program
+    """Stage 3: compile the entry's source (once per process, entry and compiler) and keep its kernels."""
+    return artifact.load_once(lambda: MetalProgram(artifact.path.read_text(encoding="utf-8"), str(artifact.path),
+                                                   compile_shader=compile_shader), scope=compile_shader)
 
 
 class MetalProgram:
@@ -180,9 +122,10 @@ class MetalProgram:
 
     def __init__(self, source: str, where: str, *, compile_shader: Callable[[str], Any] = torch_compile_shader,
                  device: str = "mps") -> None:
-        self.meta = LaunchPlan.parse(source, where)
+        self.meta = LaunchHeader.read(source, where, C_COMMENT)
+        self.launches: list[Launch] = list(self.meta.launches)  # a C header holds Launch records
         self.device = device
-        check_limits(self.meta.launches)
+        check_limits(self.launches)
         try:
             library = compile_shader(source)
         except RuntimeError as exc:  # torch raises RuntimeError with the compiler's log
@@ -190,7 +133,7 @@ class MetalProgram:
                 f"the Metal compiler rejected the kernels rendered in {where}: {exc}. This is a bug in yirage's "
                 "C-family renderer (Metal dialect); report it with the graph (g.to_json())") from exc
         kernels: dict[str, Any] = {}
-        for x in self.meta.launches:
+        for x in self.launches:
             if x.kernel not in kernels:
                 try:
                     kernels[x.kernel] = getattr(library, x.kernel)
@@ -203,7 +146,7 @@ class MetalProgram:
                     f"kernel {x.kernel} needs threadgroups of {x.local} threads, but this GPU runs it with at "
                     f"most {limit}; compile the graph with backend='cpu' (and report it: the renderer should "
                     "size row reductions to the pipeline's limit)")
-        self.kernels = [kernels[x.kernel] for x in self.meta.launches]
+        self.kernels = [kernels[x.kernel] for x in self.launches]
         self.lock = threading.Lock()  # one launch sequence at a time per program
 
     def __call__(self, inputs: Sequence[Any]) -> list[Any]:
@@ -227,9 +170,9 @@ class MetalProgram:
         for s in m.scratch:
             tensors[s.name] = torch.zeros(s.count, dtype=getattr(torch, s.dtype), device=dev)
         with self.lock:
-            for kernel, x in zip(self.kernels, m.launches, strict=True):
+            for kernel, x in zip(self.kernels, self.launches, strict=True):
                 kernel(*[tensors[a] for a in x.args], threads=x.global_size, group_size=x.local)
-        for x in m.launches:
+        for x in self.launches:
             if x.check is not None:
                 _raise_if_bad(x.check, tensors)
         return [tensors[name] for name in m.outputs]
@@ -245,5 +188,5 @@ def _raise_if_bad(check: Check, tensors: dict[str, Any]) -> None:
     raise error(check.message.format(pos=pos, value=value))
 
 
-__all__ = ["LaunchArgumentError", "LaunchPlan", "MetalBuildError", "MetalProgram", "build", "check_limits", "load",
+__all__ = ["LaunchArgumentError", "MetalBuildError", "MetalProgram", "build", "check_limits", "load",
            "render_source", "target", "torch_compile_shader"]

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib
 from pathlib import Path
 from typing import Any
@@ -14,38 +13,11 @@ from typing import Any
 import yirage
 from yirage.backend.host import host_memory_info
 from yirage.backend.probes import distribution_version, module_installed
+from yirage.backend.runtime_contract import LAUNCHED, PersistentRuntime
+from yirage_backend_opencl.platforms import all_devices as _devices
+from yirage_backend_opencl.platforms import type_name as _type_name
 
 YIRAGE_PLUGIN_API = 1
-
-_TYPE_RANK = {"GPU": 0, "ACCELERATOR": 1, "CUSTOM": 2, "CPU": 3}
-
-
-def _type_name(cl: Any, device: Any) -> str:
-    for name in ("GPU", "ACCELERATOR", "CUSTOM", "CPU"):
-        if device.type & getattr(cl.device_type, name):
-            return name
-    return "DEFAULT"
-
-
-@functools.cache
-def _devices() -> tuple[list[Any], str]:
-    """Every OpenCL device, best first, or an empty list and why."""
-    cl = importlib.import_module("pyopencl")
-    try:
-        platforms = cl.get_platforms()
-    except cl.Error as exc:
-        return [], f"no OpenCL platform ({exc}); install an ICD such as PoCL: pip install pocl-binary-distribution"
-    devices = []
-    for platform in platforms:
-        try:
-            devices.extend(platform.get_devices())
-        except cl.Error:
-            continue  # a platform with no devices of any type is not an error
-    devices.sort(key=lambda d: (_TYPE_RANK.get(_type_name(cl, d), 9), -d.max_compute_units))
-    if not devices:
-        names = ", ".join(p.name for p in platforms)
-        return [], f"OpenCL platforms ({names}) expose no device"
-    return devices, ""
 
 
 class OpenCLBackend(yirage.Backend):
@@ -155,7 +127,9 @@ class OpenCLBackend(yirage.Backend):
 
         return target()
 
-    def persistent_runtime(self, program: Any, config: Any) -> Any:
+    persistent_kind = LAUNCHED  # one in-order queue per step (pk_runtime: why not a persistent kernel)
+
+    def persistent_runtime(self, program: Any, config: Any) -> PersistentRuntime:
         """One decode step as enqueued kernels on the selected device (why not a persistent kernel: pk_runtime)."""
         from yirage_backend_opencl.pk_runtime import OpenCLPersistentRuntime
 

@@ -1,11 +1,12 @@
 """The OpenCL stages: render a plan as OpenCL C, write it, build it with pyopencl and launch it.
 
-``render`` prefixes the source with one comment line of JSON that says how to
-launch it (buffers, kernels in order, scratch, status checks), so the cache
-entry alone is enough to load: ``load`` builds the program once and keeps one
-``cl.Kernel`` per launch (re-creating one costs ~250 us). A call wraps its
-input and output torch CPU tensors in ``cl.Buffer`` objects (~1-2 us each): on a device that shares host memory
-(PoCL) with ``USE_HOST_PTR``, so no per-call copy is made, otherwise with a
+``render`` prefixes the source with its launch header (``yirage.codegen.launch``:
+buffers, kernels in order, scratch, status checks, and the plan's ``work``), so
+the cache entry alone is enough to load: ``load`` builds the program once per
+process (``Artifact.load_once``) and keeps one ``cl.Kernel`` per launch
+(re-creating one costs ~250 us). A call wraps its input and output torch CPU
+tensors in ``cl.Buffer`` objects (~1-2 us each): on a device that shares host
+memory (PoCL) with ``USE_HOST_PTR``, so no per-call copy is made, otherwise with a
 copy in and a read back; float16 and bfloat16 tensors are passed as they are
 (the kernels convert). Temporaries and scratch buffers are the program's,
 allocated once; the torch tensors of a call stay referenced until its one
@@ -23,16 +24,15 @@ chosen when it is loaded.
 from __future__ import annotations
 
 import importlib
-import json
 import math
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from yirage.backend.gemm_steps import Gemm, gemm_from_json, run_gemm
-from yirage.codegen.cstyle import Check, Launch, Scratch, render
+from yirage.backend.gemm_steps import run_gemm
+from yirage.codegen.cstyle import render
+from yirage.codegen.launch import C_COMMENT, Check, Gemm, Launch, LaunchHeader
 from yirage.compiler.cache import write_private
 from yirage.compiler.kernel_ir import KernelPlan
 from yirage.compiler.stages import Artifact
@@ -49,7 +49,6 @@ from yirage_backend_opencl.devices import (
 )
 
 SOURCE_NAME = "kernels.cl"
-META_PREFIX = "// yirage-launch: "
 BUILD_OPTIONS = ["-cl-std=CL1.2"]  # no -cl-fast-relaxed-math, no -cl-mad-enable: IEEE results
 SLICED_AFTER = 0.05  # seconds: calls that took longer last time are waited for interruptibly
 WAIT_SLICE = 0.002  # seconds between status checks of such a call (at most ~4% of its time)
@@ -60,18 +59,10 @@ class OpenCLBuildError(BackendError, RuntimeError):
 
 
 def render_source(plan: KernelPlan) -> str:
-    """Stage 1: the OpenCL C of ``plan`` (in ``dialect()``) behind one JSON comment line describing its launch."""
+    """Stage 1: the OpenCL C of ``plan`` (in ``dialect()``) behind its launch header (with the plan's work)."""
     rendered = render(plan, dialect())
-    meta = {
-        "inputs": [[n, plan.buffers[n].index, plan.buffers[n].dtype.name] for n in plan.inputs],
-        "buffers": [[b.name, list(b.dims), b.dtype.name, b.role] for b in plan.buffers.values() if b.role != "input"],
-        "outputs": plan.outputs,
-        "launches": [asdict(x) for x in rendered.launches],
-        "steps": [{"gemm": asdict(x)} if isinstance(x, Gemm) else {"kernel": x.kernel} for x in rendered.steps],
-        "scratch": [asdict(s) for s in rendered.scratch],
-        "work": plan_work(plan),
-    }
-    return META_PREFIX + json.dumps(meta, separators=(",", ":")) + "\n" + rendered.source
+    header = LaunchHeader.of(plan, rendered.launches, rendered.scratch, rendered.steps, work=plan_work(plan))
+    return header.write(rendered.source, C_COMMENT)
 
 
 def build(source: str, workdir: Path) -> Path:
@@ -81,18 +72,9 @@ def build(source: str, workdir: Path) -> Path:
     return path
 
 
-_PROGRAMS: dict[str, OpenCLProgram] = {}  # cache key -> built program: one build per process and plan
-_PROGRAMS_LOCK = threading.Lock()
-
-
 def load(artifact: Artifact) -> OpenCLProgram:
     """Stage 3: build the program on the selected device (once per process and entry) with its kernels."""
-    with _PROGRAMS_LOCK:
-        program = _PROGRAMS.get(artifact.key)
-        if program is None or artifact.rebuilt:
-            program = OpenCLProgram(artifact.path.read_text(encoding="utf-8"), str(artifact.path))
-            _PROGRAMS[artifact.key] = program
-        return program
+    return artifact.load_once(lambda: OpenCLProgram(artifact.path.read_text(encoding="utf-8"), str(artifact.path)))
 
 
 class OpenCLProgram:
@@ -109,19 +91,19 @@ class OpenCLProgram:
 
         cl = importlib.import_module("pyopencl")
         self.cl = cl
-        header, _, _ = source.partition("\n")
-        meta = json.loads(header.removeprefix(META_PREFIX))
-        self.inputs = [(n, i, d) for n, i, d in meta["inputs"]]
-        self.buffers = [(n, tuple(dims), d, role) for n, dims, d, role in meta["buffers"]]
-        self.outputs = meta["outputs"]
-        self.launches = [Launch(**{**x, "check": Check(**x["check"]) if x["check"] else None})
-                         for x in meta["launches"]]
-        by_name = {x.kernel: x for x in self.launches}
-        self.steps: list[Launch | Gemm] = [gemm_from_json(x["gemm"]) if "gemm" in x else by_name[x["kernel"]]
-                                           for x in meta["steps"]]
-        self.scratch = [Scratch(**s) for s in meta["scratch"]]
+        meta = LaunchHeader.read(source, where, C_COMMENT)
+        self.inputs = list(meta.inputs)
+        self.buffers = list(meta.buffers)
+        self.outputs = list(meta.outputs)
+        self.launches: list[Launch] = list(meta.launches)  # a C header holds Launch records
+        self.steps: list[Launch | Gemm] = list(meta.steps)
+        work = meta.extra.get("work")
+        if type(work) is not int:
+            raise OpenCLBuildError(f"the launch header of {where} has no integer work: it was not rendered by the "
+                                   "opencl backend; delete its cache entry so it is rendered again")
+        self.scratch = list(meta.scratch)
         small = small_device()
-        self.device = small if small is not None and meta["work"] <= small_work() else device()
+        self.device = small if small is not None and work <= small_work() else device()
         self.ctx, self.queue = context(self.device)
         try:
             program = cl.Program(self.ctx, source).build(options=BUILD_OPTIONS)

@@ -26,6 +26,7 @@ from yirage.codegen.dialect import Dialect
 from yirage.codegen.dialects.opencl import DIALECT
 from yirage.compiler.kernel_ir import Attention, Embedding, KernelPlan, Matmul
 from yirage.errors import YirageError
+from yirage_backend_opencl.platforms import all_devices
 
 HOST_GEMM_MIN_M = 4  # rows from which a CPU device's matmul goes to the host BLAS (a GEMV stays a kernel)
 #: work units (elements, or multiply-adds) up to which a plan runs on the in-thread device: PoCL's basic
@@ -41,12 +42,10 @@ class DeviceSelectionError(YirageError, ValueError):
 @functools.cache
 def device() -> Any:
     """``YIRAGE_OPENCL_DEVICE=platform:device`` (indices), else the best device (GPU first)."""
-    from yirage_backend_opencl import _devices
-
     cl = importlib.import_module("pyopencl")
     wanted = os.environ.get("YIRAGE_OPENCL_DEVICE", "").strip()
     if not wanted:
-        return _devices()[0][0]
+        return all_devices()[0][0]
     try:
         p, d = (int(x) for x in wanted.split(":"))
         return cl.get_platforms()[p].get_devices()[d]

@@ -26,20 +26,19 @@ KeyboardInterrupt propagates.
 from __future__ import annotations
 
 import importlib
-import threading
 from typing import Any
 
 import numpy as np
 
+from yirage.backend.runtime_contract import LAUNCHED
 from yirage.codegen.dialects.opencl import DIALECT
+from yirage.compiler.loaded import load_once
+from yirage.compiler.stages import cache_key
 from yirage.errors import NotSupportedError
-from yirage.persistent import shutdown
+from yirage.persistent import cstyle, shutdown
+from yirage.persistent.control import Ctl
 from yirage.persistent.cstyle import (
     CTL,
-    CTL_ALIVE,
-    CTL_ERR_ROW,
-    CTL_ERR_VALUE,
-    CTL_ERROR,
     GROUP,
     SCORES,
     STEP,
@@ -50,26 +49,25 @@ from yirage.persistent.cstyle import (
 )
 from yirage.persistent.guard import Snapshot, check_tensor, token_out_of_range
 from yirage.persistent.program import PersistentProgram
+from yirage.persistent.runtime import register_task_bodies
 from yirage_backend_opencl.compile import BUILD_OPTIONS, OpenCLBuildError
 from yirage_backend_opencl.devices import context, device
 
 LANES = 8  # partial sums per GEMV column on CPU devices (8 measured faster than 16 on PoCL, AVX-512)
-_PROGRAMS: dict[str, Any] = {}  # source -> built cl.Program: one build per process and rendering
-_PROGRAMS_LOCK = threading.Lock()
 
 
 def _built(cl: Any, ctx: Any, source: str) -> Any:
-    with _PROGRAMS_LOCK:
-        program = _PROGRAMS.get(source)
-        if program is None:
-            try:
-                program = cl.Program(ctx, source).build(options=BUILD_OPTIONS)
-            except cl.RuntimeError as exc:
-                raise OpenCLBuildError(
-                    f"the OpenCL compiler rejected the PersistentKernel source: {exc}. This is a bug in "
-                    "yirage.persistent.cstyle or the device's compiler; report it with the model's config") from exc
-            _PROGRAMS[source] = program
-        return program
+    """The cl.Program of ``source`` on ``ctx``: built once per process and rendering (``load_once``)."""
+
+    def build() -> Any:
+        try:
+            return cl.Program(ctx, source).build(options=BUILD_OPTIONS)
+        except cl.RuntimeError as exc:
+            raise OpenCLBuildError(
+                f"the OpenCL compiler rejected the PersistentKernel source: {exc}. This is a bug in "
+                "yirage.persistent.cstyle or the device's compiler; report it with the model's config") from exc
+
+    return load_once(cache_key(source, f"{__name__} {' '.join(BUILD_OPTIONS)}", ""), build, scope=ctx)
 
 
 def _group(dev: Any) -> int:
@@ -79,7 +77,12 @@ def _group(dev: Any) -> int:
 
 
 class OpenCLPersistentRuntime:
-    """Runs a frozen PersistentProgram on the selected OpenCL device (see the module docstring)."""
+    """Runs a frozen PersistentProgram on the selected OpenCL device (see the module docstring).
+
+    It ignores ``num_workers``/``num_local_schedulers`` (``LAUNCHED``): one in-order queue runs a step.
+    """
+
+    kind = LAUNCHED
 
     def __init__(self, program: PersistentProgram, config: dict[str, int], *, zero_copy: bool | None = None,
                  lanes: int | None = None) -> None:
@@ -91,6 +94,7 @@ class OpenCLPersistentRuntime:
         if program.tokens.dtype != torch.int64 or program.step.dtype != torch.int64:
             raise NotSupportedError("the OpenCL PersistentKernel runtime needs int64 step and tokens tensors; "
                                     "create them with dtype=torch.int64")
+        TASKS.require(layer.kind for layer in program.layers)
         dev = device()
         self.ctx, _ = context()
         self.zero_copy = bool(dev.host_unified_memory) if zero_copy is None else zero_copy
@@ -152,6 +156,23 @@ class OpenCLPersistentRuntime:
             self.cl.enqueue_copy(self.queue, self.host[buffer], self.buffers[buffer], is_blocking=True)
         return self.tensors[buffer]
 
+    def pick(self, logits: Any) -> Any:
+        """The picker layer's kernels alone on ``logits`` at the current positions (PersistentRuntime.pick)."""
+        picker = self.program.picker
+        x, out = self.names[picker.inputs["input"].name], self.names[picker.output.name]
+        self.tensors[x].copy_(logits)
+        cl = self.cl
+        try:
+            if not self.zero_copy:  # the positions (step) and the logits go up; nothing else is read
+                for name in (x, STEP):
+                    cl.enqueue_copy(self.queue, self.buffers[name], self.host[name], is_blocking=False)
+            self._enqueue([(k, launch) for k, launch in self.launches[1:] if launch.layer == picker.index])
+            if not self.zero_copy:
+                cl.enqueue_copy(self.queue, self.host[out], self.buffers[out], is_blocking=False)
+        finally:
+            self.queue.finish()
+        return self.tensors[out][:, 0]
+
     def stop(self) -> None:
         """Ask the decode in flight to stop after its current step (the exit hook calls it)."""
         self._stop = True
@@ -182,10 +203,10 @@ class OpenCLPersistentRuntime:
                 self._enqueue(self.launches[:1])  # begin: which rows decode, token ids in range
                 ctl = self._read_ctl()
                 while steps < limit and not self._stop:
-                    if ctl[CTL_ERROR]:
-                        row, tok = int(ctl[CTL_ERR_ROW]), int(ctl[CTL_ERR_VALUE])
+                    if ctl[Ctl.ERROR]:
+                        row, tok = int(ctl[Ctl.ERR_ROW]), int(ctl[Ctl.ERR_VALUE])
                         raise token_out_of_range(row, tok)
-                    if ctl[CTL_ALIVE] == 0:
+                    if ctl[Ctl.ALIVE] == 0:
                         break
                     events = self._enqueue(self.launches[1:])  # the layers, commit, the next step's begin
                     if profile is None and program.profiler_tensor is not None:
@@ -223,4 +244,7 @@ class OpenCLPersistentRuntime:
             out[3 * task + 2] = 0  # one in-order queue: every task's "worker" is the device
 
 
-__all__ = ["OpenCLPersistentRuntime"]
+#: the C-family renderer's task bodies (yirage.persistent.cstyle), enqueued by this runtime
+TASKS = register_task_bodies("opencl", cstyle.TASKS.bodies, declined=cstyle.TASKS.declined, where=cstyle.TASKS.where)
+
+__all__ = ["TASKS", "OpenCLPersistentRuntime"]

@@ -16,6 +16,7 @@ from typing import Any
 import yirage
 from yirage.backend.host import host_device_info, host_memory_info
 from yirage.backend.probes import distribution_version, module_installed
+from yirage.backend.runtime_contract import LAUNCHED, PersistentRuntime
 from yirage.backend.triton_stages import TRITON_DTYPES, TritonStages, interpreting
 
 YIRAGE_PLUGIN_API = 1
@@ -26,7 +27,9 @@ HOW = ("run on a CUDA/ROCm GPU that torch sees, or set TRITON_INTERPRET=1 to run
 
 class TritonBackend(TritonStages, yirage.Backend):
     name = "triton"
-    priority = 10  # below cpu: on a GPU the cuda backend leads, without one the interpreter is for checking only
+    # above cpu and opencl: on a ROCm GPU (no cuda backend) a GPU backend with a PersistentKernel runtime must win
+    # auto; below cuda (100), which leads on NVIDIA GPUs. The interpreter mode is never auto (its probe says so)
+    priority = 60
     vendor = "OpenAI Triton"
     description = "Triton kernels from yirage's Triton renderer (GPU, or Triton's interpreter on CPU tensors)"
     kernel_dtypes = TRITON_DTYPES
@@ -89,7 +92,9 @@ class TritonBackend(TritonStages, yirage.Backend):
         free, total = importlib.import_module("torch").cuda.mem_get_info(index)
         return yirage.MemoryInfo(total, total - free, free, "torch.cuda.mem_get_info")
 
-    def persistent_runtime(self, program: Any, config: Any) -> Any:
+    persistent_kind = LAUNCHED  # yirage.persistent.launched
+
+    def persistent_runtime(self, program: Any, config: Any) -> PersistentRuntime:
         """Each decode step as launched Triton task kernels (yirage.persistent.launched: why not persistent)."""
         from yirage.persistent.launched import LaunchedRuntime
 

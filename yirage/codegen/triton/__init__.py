@@ -15,13 +15,8 @@ that FlagTree's vendor backends pin (no ``libdevice``, no tensor descriptors);
 compute. Pure text: importing this package never imports triton.
 """
 
-from yirage.codegen.triton.render import (
-    RENDERER_VERSION,
-    TritonLaunch,
-    TritonRendered,
-    _Renderer,
-    check_supported,
-)
+from yirage.codegen.launch import TritonLaunch
+from yirage.codegen.triton.render import RENDERER_VERSION, TritonRendered, _Renderer, check_supported
 from yirage.compiler.kernel_ir import KernelPlan
 
 

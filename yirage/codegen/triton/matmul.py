@@ -23,23 +23,48 @@ so padding never reaches a sum.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from yirage.codegen import indexing
+from yirage.codegen.emit import Emitter
 from yirage.codegen.exprs import compute_type
-from yirage.codegen.triton.render import TL_TYPE, next_pow2, warps
-from yirage.compiler.indexing import broadcast_strides
-from yirage.compiler.kernel_ir import Matmul
+from yirage.codegen.indexing import IndexSyntax, broadcast_strides
+from yirage.codegen.launch import Check
+from yirage.codegen.triton.blocks import TL_TYPE, next_pow2, warps
+from yirage.compiler.kernel_ir import Buffer, Expr, Load, Matmul
 
-if TYPE_CHECKING:
-    from yirage.codegen.triton.render import _Renderer
+
+class Renderer(Protocol):
+    """What the matmul kernels use of the Triton renderer that calls them (``render._Renderer``).
+
+    The renderer hands itself in; this module sees only these members, so it never imports ``render``.
+    """
+
+    buffers: dict[str, Buffer]
+    emit: Emitter
+    ix: IndexSyntax
+    masks: dict[str, str]  # vector index name -> its mask, for the kernel being rendered
+
+    def const(self, value: float, ct: str) -> str: ...
+    def expr(self, e: Expr, load: Callable[[Load], str], ct: str, shape: str = "") -> str: ...
+    def read(self, name: str, off: str) -> str: ...
+    def write(self, name: str, off: str, value: str, mask: str = "") -> str: ...
+    def loader(self, space: Sequence[int], idx: Sequence[str]) -> Callable[[Load], str]: ...
+    def kernel(self, name: str, args: Sequence[str], programs: int, constexprs: dict[str, int],
+               num_warps: int = 4, check: Check | None = None, doc: str = "",
+               tiles: Sequence[tuple[int, str]] = ()) -> None: ...
+    def pid(self) -> str: ...
+    def vector(self, name: str, value: str, bound: str | int, mask: str | None = None) -> None: ...
+    def close(self) -> None: ...
+
 
 DOT_MIN_M = 16  # tl.dot tiles are at least 16 x 16 x 16
 DOT_MAX = (64, 64, 32)  # largest BLOCK_M, BLOCK_N, BLOCK_K of the dot path
 GEMV_MAX = (64, 128)  # largest BLOCK_K, BLOCK_N of the gemv path
 
 
-def matmul(r: _Renderer, k: Matmul) -> None:
+def matmul(r: Renderer, k: Matmul) -> None:
     """Emit ``k`` in the dot shape where tl.dot fits, else the gemv shape."""
     ct = compute_type(r.buffers[k.out])
     if ct == "float32" and k.m >= DOT_MIN_M:
@@ -48,20 +73,20 @@ def matmul(r: _Renderer, k: Matmul) -> None:
         _gemv(r, k, ct)
 
 
-def _batch(r: _Renderer, k: Matmul, qb: str) -> list[str]:
+def _batch(r: Renderer, k: Matmul, qb: str) -> list[str]:
     bidx = [f"q{i}" for i in range(len(k.batch))]
     indexing.decompose(r.emit, qb, k.batch, bidx, r.ix, scratch="_q")
     return bidx
 
 
-def _scale(r: _Renderer, k: Matmul, ct: str, ss: str) -> str:
+def _scale(r: Renderer, k: Matmul, ct: str, ss: str) -> str:
     """``rsqrt(ss / K + eps)`` in ``ct``: IEEE division and square root."""
     if ct == "float32":
         return f"tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn({ss}, {float(k.k)}) + {r.const(k.eps, ct)}))"
     return f"1.0 / tl.sqrt({ss} / {float(k.k)} + {r.const(k.eps, ct)})"
 
 
-def _dot(r: _Renderer, k: Matmul, ct: str) -> None:
+def _dot(r: Renderer, k: Matmul, ct: str) -> None:
     emit = r.emit
     nb = max(1, math.prod(k.batch))
     bm = min(DOT_MAX[0], max(16, next_pow2(k.m)))
@@ -105,7 +130,7 @@ def _dot(r: _Renderer, k: Matmul, ct: str) -> None:
     r.close()
 
 
-def _gemv(r: _Renderer, k: Matmul, ct: str) -> None:
+def _gemv(r: Renderer, k: Matmul, ct: str) -> None:
     emit = r.emit
     tt = TL_TYPE[ct]
     zero = r.const(0, ct)

@@ -21,12 +21,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from yirage.codegen import indexing
-from yirage.codegen.cstyle import Check, Scratch
 from yirage.codegen.dialect import FLOAT_ONLY, plan_functions
 from yirage.codegen.emit import Emitter
 from yirage.codegen.exprs import Spelling, UnsupportedExprError, compute_type, spell_expr
-from yirage.codegen.indexing import IndexSyntax
-from yirage.compiler.indexing import broadcast_strides
+from yirage.codegen.indexing import IndexSyntax, broadcast_strides
+from yirage.codegen.launch import Check, Scratch, TritonLaunch
+from yirage.codegen.triton import matmul
+from yirage.codegen.triton.blocks import TL_TYPE, next_pow2, warps
 from yirage.compiler.kernel_ir import (
     Attention,
     Call,
@@ -48,39 +49,7 @@ ROW_BLOCK_MAX = 4096  # lanes per program of a row kernel; longer rows loop
 EMBED_BLOCK_MAX = 1024
 ATTN_SEQ_BLOCK = 64  # cache rows per step of decode attention
 INT32_SAFE = (1 << 31) - 1
-TL_TYPE = {"float32": "tl.float32", "float64": "tl.float64", "int32": "tl.int32", "int64": "tl.int64"}
 COMPUTE_TYPES = frozenset(TL_TYPE)
-
-
-@dataclass(frozen=True)
-class TritonLaunch:
-    """One kernel launch: ``kernel[grid](*buffers named by args, **constexprs, num_warps=...)``.
-
-    ``constexprs`` are the block sizes, chosen from the shapes (powers of two; at least 16 for the
-    ``tl.dot`` tiles); they are data, not part of the kernel text, so a later autotuner can change them
-    without re-rendering: the 1-D grid is ``programs * prod(ceil(extent / constexprs[name]) for extent, name
-    in tiles)`` (``grid_for``), and kernels derive their tile counts from the constexprs the same way.
-    """
-
-    kernel: str
-    args: tuple[str, ...]
-    programs: int
-    tiles: tuple[tuple[int, str], ...]
-    constexprs: tuple[tuple[str, int], ...]
-    num_warps: int = 4
-    check: Check | None = None
-
-    @property
-    def params(self) -> dict[str, int]:
-        return dict(self.constexprs)
-
-    def grid_for(self, params: dict[str, int]) -> tuple[int]:
-        """The grid for block sizes ``params``."""
-        return (max(1, self.programs * math.prod(-(-extent // params[name]) for extent, name in self.tiles)),)
-
-    @property
-    def grid(self) -> tuple[int]:
-        return self.grid_for(self.params)
 
 
 @dataclass(frozen=True)
@@ -90,15 +59,6 @@ class TritonRendered:
     source: str
     launches: tuple[TritonLaunch, ...]
     scratch: tuple[Scratch, ...]
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (max(1, n) - 1).bit_length())
-
-
-def warps(block: int) -> int:
-    """num_warps for a program of ``block`` lanes (GPU only: the interpreter ignores it)."""
-    return 1 if block <= 128 else 2 if block <= 512 else 4 if block <= 2048 else 8
 
 
 def _loads(e: Expr) -> list[Load]:
@@ -187,8 +147,6 @@ class _Renderer:
                 "div": (lambda a: f"tl.div_rn({a[0]}, {a[1]})") if f32 else (lambda a: f"({a[0]} / {a[1]})"),
                 "exp": (lambda a: f"{self.use('y_exp32')}({a[0]})") if f32 else (lambda a: f"tl.exp({a[0]})"),
                 "sqrt": (lambda a: f"tl.sqrt_rn({a[0]})") if f32 else (lambda a: f"tl.sqrt({a[0]})"),
-                "rsqrt": (lambda a: f"tl.div_rn(1.0, tl.sqrt_rn({a[0]}))") if f32
-                else (lambda a: f"(1.0 / tl.sqrt({a[0]}))"),
                 "silu": lambda a: f"{self.use('y_silu' + bits)}({a[0]})",
                 "gelu": lambda a: f"{self.use('y_gelu' + bits)}({a[0]})",
                 "pow": lambda a: f"{self.use('y_pow' + bits)}({a[0]}, {a[1]})",
@@ -434,9 +392,7 @@ class _Renderer:
         self.close()
 
     def matmul(self, k: Matmul) -> None:
-        from yirage.codegen.triton.matmul import matmul
-
-        matmul(self, k)
+        matmul.matmul(self, k)
 
     def render(self) -> TritonRendered:
         from yirage.codegen.triton.helpers import helper_source

@@ -1,0 +1,190 @@
+"""Decode of a SmolLM2-shaped random model on each given backend, beside Hugging Face eager on the same device.
+
+    python benchmark/device_decode.py --backends cuda triton [--dtypes float32 bfloat16] [--json out.json]
+    python benchmark/device_decode.py --backends cpu --small          # a smoke run of the same code on the CPU
+
+The model has SmolLM2-135M's shape (30 layers, hidden 576, intermediate 1536, 9 query / 3 KV heads of 64, vocab
+49152, tied embeddings) and random weights initialised so its greedy output is diverse (tests/llm_oracle.py's
+``diverse_init``): equal greedy tokens then mean something. One 16-token prompt, 64 new tokens, EOS off.
+
+Per backend and dtype it prints yirage's ms/token (decode steps only: generate's own ``ms_per_token``), Hugging
+Face eager's ms/token on the same device and weights (``model.generate``, the 64-token run minus the 1-token
+run), their ratio (HF / yirage: > 1 means yirage is faster), and whether the greedy tokens equal the oracle's:
+transformers in float32 on the same (rounded) weights, which is what yirage computes (narrow weights widened to
+float32). Where the tokens differ, the oracle's top-2 logit margin at the first differing step says whether it
+was a near-tie (``tie``: margin below 1e-3 of that step's logit range) or a wrong result (``WRONG``).
+Every figure is measured in this run; nothing is compared with a number from elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # llm_oracle: the test models' init
+
+SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True, "rope_theta": 100000.0,
+           "rms_norm_eps": 1e-5, "max_position_embeddings": 8192}
+SMALL = {**SMOLLM2, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 512}
+PROMPT, NEW_TOKENS = 16, 64
+TIE = 1e-3  # a top-2 margin below this fraction of the logit range is a near-tie, not a wrong token
+
+
+def sync(device: Any) -> None:
+    import torch
+
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def make_model(shape: dict[str, Any], dtype: Any, root: Path) -> tuple[Path, Any]:
+    """A saved random Llama model of ``shape`` in ``dtype`` and its float32 oracle on the same rounded weights."""
+    import torch
+    import transformers
+    from llm_oracle import diverse_init
+
+    torch.manual_seed(0)
+    oracle = diverse_init(transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval())
+    oracle.generation_config.eos_token_id = None
+    path = root / f"model-{str(dtype).removeprefix('torch.')}"
+    saved = oracle if dtype == torch.float32 else transformers.LlamaForCausalLM(oracle.config).to(dtype)
+    if dtype != torch.float32:
+        saved.load_state_dict({k: v.to(dtype) for k, v in oracle.state_dict().items()})
+        with torch.no_grad():  # the oracle computes in float32 on the rounded weights, as yirage does
+            for p in oracle.parameters():
+                p.copy_(p.to(dtype).float())
+    saved.save_pretrained(path, safe_serialization=True)
+    return path, oracle
+
+
+def oracle_tokens(oracle: Any, ids: Any, device: Any) -> tuple[list[list[int]], Any]:
+    """The float32 oracle's greedy tokens and per-step logits, computed on ``device``."""
+    import torch
+
+    model = oracle.to(device)
+    with torch.no_grad():
+        out = model.generate(ids.to(device), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[:, ids.shape[1]:].cpu().tolist()
+    logits = torch.stack(out.logits, 1).float().cpu()
+    oracle.to("cpu")
+    return tokens, logits
+
+
+def hf_ms_per_token(oracle: Any, dtype: Any, ids: Any, device: Any, rounds: int) -> float:
+    """HF eager decode ms/token in ``dtype`` on ``device``: (64-token generate - 1-token generate) / 63."""
+    import copy
+
+    import torch
+
+    model = copy.deepcopy(oracle).to(device=device, dtype=dtype)
+    ids = ids.to(device)
+    kwargs = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+
+    def timed(n: int) -> float:
+        sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        sync(device)
+        return time.perf_counter() - start
+
+    timed(2)  # warm-up: cuBLAS handles, kernels loaded
+    return statistics.median((timed(NEW_TOKENS) - timed(1)) / (NEW_TOKENS - 1) * 1e3 for _ in range(rounds))
+
+
+def verdict(ours: list[list[int]], theirs: list[list[int]], logits: Any) -> str:
+    """"equal", "tie at step s" (a near-tie in the oracle's logits where they first differ) or "WRONG at step s"."""
+    if ours == theirs:
+        return "equal"
+    for row, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        for step, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x != y:
+                top = logits[row, step].double().topk(2).values
+                spread = float(logits[row, step].max() - logits[row, step].min())
+                margin = float(top[0] - top[1])
+                return f"{'tie' if margin <= TIE * spread else 'WRONG'} at step {step} (margin {margin:.3g})"
+    return "WRONG (lengths)"
+
+
+def yirage_run(path: Path, backend: str, ids: Any, rounds: int) -> dict[str, Any]:
+    """yirage's greedy tokens and median decode ms/token on ``backend`` (the first generate compiles: untimed)."""
+    from yirage.engine import GenerationConfig, InferEngine
+
+    engine = InferEngine(path, backend=backend)
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=())
+    start = time.perf_counter()
+    first = engine.generate(ids, config)
+    warm = time.perf_counter() - start
+    runs = [engine.generate(ids, config) for _ in range(rounds)]
+    if any(r.tokens.tolist() != first.tokens.tolist() for r in runs):
+        return {"error": "greedy tokens changed between runs of the same prompt"}
+    return {"tokens": first.tokens.tolist(), "ms_per_token": statistics.median(r.ms_per_token for r in runs),
+            "ttft_ms": statistics.median(r.ttft_ms for r in runs), "first_generate_s": warm,
+            "device": str(engine.model.device)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    import yirage as yr
+    from yirage.backend.selection import resolve
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backends", nargs="+", required=True, help="yirage backends to decode on")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=3, help="timed generates per implementation (median)")
+    parser.add_argument("--small", action="store_true", help="a 2-layer model instead of SmolLM2's shape (smoke)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args(argv)
+    shape = SMALL if args.small else SMOLLM2
+    ids = torch.randint(0, shape["vocab_size"], (1, PROMPT), generator=torch.Generator().manual_seed(2))
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="yirage-device-decode-") as tmp:
+        for dtype_name in args.dtypes:
+            dtype = getattr(torch, dtype_name)
+            path, oracle = make_model(shape, dtype, Path(tmp))
+            for name in args.backends:
+                row: dict[str, Any] = {"backend": name, "dtype": dtype_name}
+                rows.append(row)
+                try:
+                    device = torch.device(resolve(name, "--backends", need="persistent").torch_device)
+                except yr.YirageError as exc:  # unavailable here, or no PersistentKernel runtime: reported
+                    row["error"] = f"{type(exc).__name__}: {exc}"
+                    continue
+                theirs, logits = oracle_tokens(oracle, ids, device)
+                try:
+                    row.update(yirage_run(path, name, ids, args.rounds))
+                except Exception as exc:  # noqa: BLE001 - one failing backend must not hide the others' rows
+                    row["error"] = f"{type(exc).__name__}: {exc}"
+                    continue
+                if "tokens" in row:
+                    row["tokens_vs_oracle"] = verdict(row.pop("tokens"), theirs, logits)
+                row["hf_ms_per_token"] = hf_ms_per_token(oracle, dtype, ids, device, args.rounds)
+                if row.get("ms_per_token"):
+                    row["hf_over_yirage"] = row["hf_ms_per_token"] / row["ms_per_token"]
+    print(f"decode of a {'small' if args.small else 'SmolLM2-shaped'} random model, {PROMPT}-token prompt, "
+          f"{NEW_TOKENS} new tokens (ms/token: median of {args.rounds})")
+    print(f"{'backend':10} {'dtype':9} {'yirage':>9} {'HF eager':>9} {'HF/yirage':>9}  tokens vs float32 oracle")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['backend']:10} {r['dtype']:9} ERROR {r['error'][:200]}")
+            continue
+        print(f"{r['backend']:10} {r['dtype']:9} {r['ms_per_token']:9.3f} {r['hf_ms_per_token']:9.3f} "
+              f"{r['hf_over_yirage']:8.2f}x  {r['tokens_vs_oracle']}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    wrong = [r for r in rows if "error" in r or not str(r.get("tokens_vs_oracle", "")).startswith(("equal", "tie"))]
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,160 @@
+"""Mirage-style kernel graphs on each given backend beside torch eager on the same device, in one run.
+
+    python benchmark/device_graphs.py --backends cuda triton [--json out.json]
+    python benchmark/device_graphs.py --backends cpu --small      # a smoke run of the same code on the CPU
+
+The graphs are the patterns Mirage's examples fuse (gated MLP, RMSNorm + linear, LoRA, GQA / MHA / MQA decode
+attention, a norm after a residual add, Qwen's pre-norm projection with bias, a wide softmax), at decode-time
+shapes. Inputs are made on the CPU (seeded), moved to the backend's torch device once, and both sides read the
+same tensors. Each graph's output is first checked against torch eager (float64 on the CPU) and a wrong graph
+gets no figure. Timing: implementations interleaved call by call, each call synchronised on the device, median
+of ``--calls`` after warm-up; ratio = torch median / yirage median (> 1: yirage is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    shapes: tuple[tuple[int, ...], ...]
+    build: Callable[..., Any]  # (g, *inputs) -> output tensor of the graph
+    torch: Callable[..., Any]  # (*tensors) -> the same in torch
+    int_inputs: tuple[int, ...] = ()  # positions of int inputs (attention lengths)
+
+
+def _rms(x: Any, eps: float = 1e-6) -> Any:
+    import torch
+
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _attention(q: Any, k: Any, v: Any) -> Any:
+    import torch.nn.functional as F
+
+    group = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q[:, :, None], k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+                                          )[:, :, 0]
+
+
+def cases(small: bool) -> list[Case]:
+    h, ff, b = (64, 128, 2) if small else (4096, 11008, 8)
+    heads, d, seq = (4, 16, 32) if small else (32, 128, 1024)
+    vocab = 512 if small else 32000
+    return [
+        Case("gated_mlp", ((b, h), (h, ff), (h, ff)),
+             lambda g, x, wg, wu: g.mul(g.silu(g.matmul(x, wg)), g.matmul(x, wu)),
+             lambda x, wg, wu: (x @ wg) * (1 / (1 + (-(x @ wg)).exp())) * (x @ wu)),
+        Case("rmsnorm_linear", ((b, h), (h, h)),
+             lambda g, x, w: g.matmul(g.rms_norm(x, (h,)), w), lambda x, w: _rms(x) @ w),
+        Case("lora", ((2 * b, h), (h, h), (h, 16), (16, h)),
+             lambda g, x, w, a, bb: g.add(g.matmul(x, w), g.matmul(g.matmul(x, a), bb)),
+             lambda x, w, a, bb: x @ w + (x @ a) @ bb),
+        Case("gqa_decode", ((b, heads, d), (b, heads // 4, seq, d), (b, heads // 4, seq, d)),
+             lambda g, q, k, v: g.attention(q, k, v), _attention),
+        Case("mha_decode", ((b, heads, d), (b, heads, seq, d), (b, heads, seq, d)),
+             lambda g, q, k, v: g.attention(q, k, v), _attention),
+        Case("mqa_decode", ((b, heads, d), (b, 1, seq, d), (b, 1, seq, d)),
+             lambda g, q, k, v: g.attention(q, k, v), _attention),
+        Case("residual_norm", ((b, h), (b, h)),
+             lambda g, x, r: g.rms_norm(g.add(x, r), (h,)), lambda x, r: _rms(x + r)),
+        Case("qwen_prenorm_bias", ((b, h), (h,), (h, h), (h,)),
+             lambda g, x, gain, w, bias: g.add(g.matmul(g.mul(g.rms_norm(x, (h,)), gain), w), bias),
+             lambda x, gain, w, bias: (_rms(x) * gain) @ w + bias),
+        Case("softmax_vocab", ((b, vocab),), lambda g, x: g.softmax(x, -1), lambda x: x.softmax(-1)),
+    ]
+
+
+def sync(device: Any) -> None:
+    import torch
+
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def run_case(case: Case, backend: str, device: Any, calls: int) -> dict[str, Any]:
+    import torch
+
+    import yirage as yr
+
+    gen = torch.Generator().manual_seed(0)
+    host = [torch.randn(s, generator=gen, dtype=torch.float64) / math.sqrt(s[-1] if len(s) > 1 else 1)
+            for s in case.shapes]
+    g = yr.new_kernel_graph()
+    g.mark_output(case.build(g, *[g.new_input(s) for s in case.shapes]))
+    inputs = [t.float().to(device) for t in host]
+    row: dict[str, Any] = {"graph": case.name, "backend": backend}
+    try:
+        compiled = g.compile(backend)
+        (out,) = compiled(inputs)
+    except yr.YirageError as exc:
+        return {**row, "error": f"{type(exc).__name__}: {exc}"}
+    want = case.torch(*host)
+    err = float((out.cpu().double() - want).abs().max() / (want.abs().max() + 1e-30))
+    row["max_rel_err"] = err
+    if not err <= 1e-3:
+        return {**row, "error": f"wrong result: max |err| / max |want| = {err:.3g}"}
+    impls = {"yirage": lambda: compiled(inputs), "torch": lambda: case.torch(*inputs)}
+    times: dict[str, list[float]] = {k: [] for k in impls}
+    for _ in range(3):  # warm-up: cuBLAS handles, caches
+        for fn in impls.values():
+            fn()
+    for _ in range(calls):
+        for name, fn in impls.items():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append((time.perf_counter() - start) * 1e6)
+    row.update({f"{k}_us": statistics.median(v) for k, v in times.items()})
+    row["torch_over_yirage"] = row["torch_us"] / row["yirage_us"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    import yirage as yr
+    from yirage.backend.selection import resolve
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backends", nargs="+", required=True)
+    parser.add_argument("--calls", type=int, default=50, help="timed calls per implementation (median)")
+    parser.add_argument("--small", action="store_true", help="tiny shapes (a smoke run)")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args(argv)
+    rows = []
+    for name in args.backends:
+        try:
+            device = torch.device(resolve(name, "--backends", need="kernel_graphs").torch_device)
+        except yr.YirageError as exc:
+            rows.append({"graph": "*", "backend": name, "error": str(exc)})
+            continue
+        rows += [run_case(case, name, device, args.calls) for case in cases(args.small)]
+    print(f"{'graph':18} {'backend':8} {'yirage us':>10} {'torch us':>10} {'torch/yirage':>12}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['graph']:18} {r['backend']:8} ERROR {r['error'][:160]}")
+        else:
+            print(f"{r['graph']:18} {r['backend']:8} {r['yirage_us']:10.1f} {r['torch_us']:10.1f} "
+                  f"{r['torch_over_yirage']:11.2f}x")
+    ratios = [r["torch_over_yirage"] for r in rows if "torch_over_yirage" in r]
+    if ratios:
+        print(f"median torch/yirage over {len(ratios)} graphs: {statistics.median(ratios):.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 1 if any("wrong result" in r.get("error", "") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
