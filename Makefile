@@ -28,6 +28,7 @@ test: lint
 	$(PY) -m pytest -n 2 --dist loadfile --ignore=tests/test_conformance.py $(addprefix --ignore=,$(SERIAL_TESTS))
 	$(PY) -m pytest $(SERIAL_TESTS)
 	$(MAKE) triton-interpret
+	$(MAKE) gpu-check
 
 # The conformance kit on the triton backend in Triton's interpreter (numpy on CPU tensors; TRITON_INTERPRET=1
 # must be set before triton is imported), into a fresh compile cache; then the Triton tests that need the

@@ -4,8 +4,9 @@ Without a GPU it runs its compile-only part (every conformance-kit plan and ever
 CUDA runtime through NVRTC and ptxas for sm_80 and sm_90) and says that the rest needs a GPU; CI runs that part.
 With a GPU, after the compile-only part:
 
-1. in parallel (nothing here is timed): the conformance kit on ``cuda`` and on ``triton`` (pytest-xdist), the
-   GPU-only test files, the LLM tests on the GPU backends, ``backend_manager.py test cuda``, ``auto``'s choice;
+1. in parallel (nothing here is timed), in two waves: the conformance kit on ``cuda`` and on ``triton``
+   (pytest-xdist), the LLM tests on the GPU backends and ``auto``'s choice; then the GPU-only test files and
+   ``backend_manager.py test cuda`` (on the compile cache the first wave filled);
 2. alone, timed: decode of a SmolLM2-shaped random model on each GPU backend beside Hugging Face eager on the same
    GPU, greedy tokens compared (benchmark/device_decode.py), and Mirage-style kernel graphs against torch eager
    (benchmark/device_graphs.py).
@@ -102,23 +103,26 @@ def pytest(*args: str) -> list[str]:
 def compile_only_parts() -> list[Part]:
     code = ("import sys\n"
             "from yirage_backend_cuda.check import check_conformance, check_persistent\n"
-            "ok = True\n"
-            "for report in (check_conformance(), check_persistent()):\n"
-            "    print(report.summary()); ok = ok and report.ok\n"
-            "sys.exit(0 if ok else 1)\n")
+            "kit, pk = check_conformance(), check_persistent()\n"
+            "print(kit.summary()); print(pk.summary())\n"
+            "count = lambda r: f'{r.compiled}/{r.compiled + len(r.failures)}'\n"
+            "print(f'compiled for {\", \".join(kit.archs)}: kit plans {count(kit)}, PersistentKernel sources '\n"
+            "      f'{count(pk)} (NVRTC + ptxas)')\n"
+            "sys.exit(0 if kit.ok and pk.ok else 1)\n")
     return [Part("compile-only", [PY, "-c", code], timeout=900)]
 
 
-def parallel_parts(workers: int) -> list[Part]:
-    cpu = max(1, (os.cpu_count() or 2) // 2)
+def parallel_parts(cores: int) -> list[list[Part]]:
+    """Two waves of untimed parts, each wave in parallel: the kits and the LLM tests first (they fill the compile
+    cache), then the GPU-only tests and the backend manager's kit run, which reuse it."""
+    kit = max(2, cores * 3 // 8)
     return [
-        Part("kit-cuda", pytest(*xdist(workers), "tests/test_conformance.py", "--yirage-backend", "cuda"), 420),
-        Part("kit-triton", pytest(*xdist(workers), "tests/test_conformance.py", "--yirage-backend", "triton"), 420),
-        Part("gpu-tests", pytest(*xdist(min(4, cpu)), "--dist", "loadfile", *GPU_TESTS), 420),
-        Part("llm-cuda-triton", pytest(*xdist(min(4, cpu)), "--dist", "loadfile", *LLM_TESTS, "-k",
-                                       "cuda or triton"), 420),
-        Part("backend-manager-test-cuda", [PY, "tools/backend_manager.py", "test", "cuda"], 420),
-        Part("auto-choice", [PY, "-c", AUTO_CHOICE], 120),
+        [Part("kit-cuda", pytest(*xdist(kit), "tests/test_conformance.py", "--yirage-backend", "cuda"), 420),
+         Part("kit-triton", pytest(*xdist(kit), "tests/test_conformance.py", "--yirage-backend", "triton"), 420),
+         Part("llm-cuda-triton", pytest(*xdist(2), "--dist", "loadfile", *LLM_TESTS, "-k", "cuda or triton"), 420),
+         Part("auto-choice", [PY, "-c", AUTO_CHOICE], 120)],
+        [Part("gpu-tests", pytest(*xdist(max(2, cores // 4)), "--dist", "loadfile", *GPU_TESTS), 420),
+         Part("backend-manager-test-cuda", [PY, "tools/backend_manager.py", "test", "cuda"], 300)],
     ]
 
 
@@ -170,10 +174,9 @@ def main() -> int:
     parts = [p.run(logs) for p in compile_only_parts()]
     note = ""
     if gpu:
-        workers = min(8, max(1, (os.cpu_count() or 2) - 2))
-        todo = parallel_parts(workers)
-        with ThreadPoolExecutor(max_workers=len(todo)) as pool:
-            parts += list(pool.map(lambda p: p.run(logs), todo))
+        for wave in parallel_parts(os.cpu_count() or 2):
+            with ThreadPoolExecutor(max_workers=len(wave)) as pool:
+                parts += list(pool.map(lambda p: p.run(logs), wave))
         parts += [p.run(logs) for p in timed_parts(out)]
     else:
         note = (f"NO GPU HERE ({what}): only the compile-only part ran. The conformance kit on cuda/triton, the GPU "

@@ -148,9 +148,6 @@ CYCLE_ROOTS: list[Path] = [PACKAGE, *sorted(PACKAGE.parent.glob("backends/*/yira
 
 #: Import cycles (the modules of one strongly connected component) -> why they are allowed for now. Each one is debt.
 ALLOWED_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"yirage.persistent.cstyle", "yirage.persistent.cstyle_sample"}):
-        "the sampler's renderer imports the task renderer's names back (lazily and under TYPE_CHECKING): found by "
-        "this check while yirage/persistent/* was being edited for the control protocol (issue 25); for its owner",
 }
 
 

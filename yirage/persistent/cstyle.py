@@ -29,10 +29,10 @@ import numpy as np
 
 from yirage.codegen.dialect import Dialect
 from yirage.codegen.emit import Emitter
-from yirage.codegen.launch import Launch
 from yirage.errors import NotSupportedError
 from yirage.persistent import control, cstyle_sample
 from yirage.persistent.control import Ctl, CtlError
+from yirage.persistent.cstyle_buffers import CTL, SCORES, STEP, XS, PKLaunch, tensor_name
 from yirage.persistent.program import PersistentProgram
 from yirage.persistent.runtime import SINGLE_DEVICE, TaskBodies
 from yirage.persistent.specs import FloatCol, IntCol
@@ -41,17 +41,6 @@ RENDERER_VERSION = "1"
 GROUP = 64  # work-group size of GEMV, norm and argmax kernels (a power of two)
 MAX_LOCAL_FLOATS = 4096  # a GEMV's partial sums: GROUP x batch floats of local memory at most
 
-#: internal buffers every rendering uses besides the program's tensors (CTL: the control buffer, laid out
-#: by yirage.persistent.control)
-CTL, STEP, XS, SCORES = "ctl", "step", "xs", "scores"
-
-
-@dataclass(frozen=True)
-class PKLaunch(Launch):
-    """A kernel-graph ``Launch`` of a PersistentKernel step: ``args`` name buffers (``t<index>`` for program
-    tensors, or CTL/STEP/XS/SCORES), ``layer`` the program layer it runs (-1: begin/commit)."""
-
-    layer: int = -1
 
 
 @dataclass(frozen=True)
@@ -68,9 +57,6 @@ class PKRendered:
         """What one decode step enqueues: the layers, commit, and the next step's begin."""
         return (*self.layers, self.commit, self.begin)
 
-
-def tensor_name(index: int) -> str:
-    return f"t{index}"
 
 
 def _f(value: float, d: Dialect) -> str:

@@ -9,19 +9,36 @@ CPU runtime's ``sample_row`` (xorshift64* stream seeded by seed, position and ro
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from yirage.errors import NotSupportedError
+from yirage.persistent.cstyle_buffers import SCORES, STEP, PKLaunch, tensor_name
 from yirage.persistent.specs import FloatCol, IntCol
 
-if TYPE_CHECKING:
-    from yirage.persistent.cstyle import PKLaunch, _Renderer
 
-SCORES = "scores"  # the scratch buffer the runtime allocates (yirage.persistent.cstyle.SCORES)
+class Renderer(Protocol):
+    """What the sampling kernel uses of the C-family renderer (``cstyle._Renderer``, which passes itself)."""
+
+    d: Any  # the Dialect
+    p: Any  # the PersistentProgram
+    scratch: dict[str, int]
+    dtypes: dict[str, str]
+    it: str
+    f32: str
+    i64: str
+
+    def col(self, layer: int, column: IntCol) -> int: ...
+    def fcol(self, layer: int, column: FloatCol) -> float: ...
+    def arg(self, layer: int, role: str) -> str: ...
+    def ctype(self, dtype: str) -> str: ...
+    def f(self, value: float) -> str: ...
+    def ids(self) -> Any: ...
+    def kernel(self, base: str, params: Sequence[tuple[str, str, bool]], body: list[str], groups: int, local: int,
+               layer: int = -1) -> PKLaunch: ...
 
 
-def sample(self: _Renderer, i: int) -> list[PKLaunch]:
-    from yirage.persistent.cstyle import STEP, tensor_name  # the renderer module imports this one
+def sample(self: Renderer, i: int) -> list[PKLaunch]:
     """Temperature, top-k, nucleus top-p, one seeded draw (xorshift64*); see the CPU runtime's sample_row."""
     if not self.d.bits or not self.d.unsigned:
         raise NotSupportedError(f"the {self.d.name} dialect has no float-bits or unsigned spellings, which the "
