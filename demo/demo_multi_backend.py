@@ -34,9 +34,12 @@ import torch
 import torch.nn.functional as F
 
 import yirage as yr
+from yirage.backend.selection import resolve
 from yirage.models.config import LlamaConfig
 from yirage.models.llama import LlamaModel
+from yirage.models.placement import Placement
 from yirage.testing import assert_matches_reference, assert_matches_torch
+from yirage.testing.oracle import backend_device, on_backend
 
 Case = tuple[yr.KernelGraph, list[torch.Tensor], Callable[..., torch.Tensor]]  # graph, inputs, torch eager
 
@@ -81,12 +84,18 @@ def cases() -> dict[str, Case]:
     }
 
 
-def median_s(fn: Callable[[], Any], iterations: int) -> float:
-    fn()  # warm-up
+def median_s(fn: Callable[[], Any], iterations: int, device: Any = None) -> float:
+    """Median seconds of ``fn()``; on an accelerator ``device`` a call ends when its device work has."""
+    def call() -> None:
+        fn()
+        if device is not None and device.type != "cpu":
+            torch.accelerator.synchronize(device)
+
+    call()  # warm-up
     times = []
     for _ in range(iterations):
         start = time.perf_counter()
-        fn()
+        call()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -134,11 +143,12 @@ class Decode:
 def yirage_decode(weights: dict[str, torch.Tensor], backend: str, prompt: torch.Tensor, iterations: int) -> Decode:
     """Prefill in torch, then decode on ``backend``'s PersistentKernel one step at a time, reading each step's
     logits; then time whole decodes. NotSupportedError: the backend has no PersistentKernel runtime."""
-    model = LlamaModel(LlamaConfig.from_dict(TOY), weights)
+    placement = Placement.of_backend(resolve(backend, "yirage_decode(backend=...)", need="persistent"))
+    model = LlamaModel(LlamaConfig.from_dict(TOY), weights, placement=placement)  # every tensor on its device
     batch, p = prompt.shape
     model.reset_cache(batch, p + NEW_TOKENS)
-    tokens = torch.zeros(batch, p + NEW_TOKENS, dtype=torch.int64)  # the PK reads token i, writes token i + 1
-    step = torch.full((batch,), p, dtype=torch.int64)
+    tokens = torch.zeros(batch, p + NEW_TOKENS, dtype=torch.int64, device=model.device)  # reads i, writes i + 1
+    step = torch.full((batch,), p, dtype=torch.int64, device=model.device)
     first = model.forward(prompt, torch.arange(p).expand(batch, p))[:, -1]
     tokens[:, :p], tokens[:, p] = prompt, first.argmax(-1)
     pk = model.build_decoder(step, tokens, backend=backend, tasks=4)
@@ -148,16 +158,20 @@ def yirage_decode(weights: dict[str, torch.Tensor], backend: str, prompt: torch.
             raise AssertionError(f"the PersistentKernel stopped after {i} of {NEW_TOKENS - 1} decode steps")
         scores.append(pk.read("logits"))
     checked = tokens[:, p:].clone()
+    device = model.device
     times = []
     for _ in range(iterations):
         step.fill_(p)
         start = time.perf_counter()
         pk(NEW_TOKENS - 1)
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)
         times.append(time.perf_counter() - start)
         if not torch.equal(tokens[:, p:], checked):
             raise AssertionError(f"a timed re-run decoded {tokens[0, p:].tolist()}, the checked run "
                                  f"{checked[0].tolist()}: the decode is not deterministic")
-    return Decode(checked, torch.stack(scores, 1).float(), statistics.median(times) / (NEW_TOKENS - 1) * 1e3)
+    return Decode(checked.cpu(), torch.stack(scores, 1).float().cpu(),
+                  statistics.median(times) / (NEW_TOKENS - 1) * 1e3)
 
 
 def hf_decode(weights: dict[str, torch.Tensor], prompt: torch.Tensor, iterations: int) -> Decode | None:
@@ -236,9 +250,13 @@ def run_graphs(names: list[str], iterations: int, outcomes: dict[str, Outcome]) 
     passed = dict.fromkeys(names, 0)
     workloads = cases()
     for title, (graph, inputs, eager) in workloads.items():
-        torch_us = median_s(lambda eager=eager, inputs=inputs: eager(*inputs), iterations) * 1e6
+        torch_us: dict[Any, float] = {}  # torch eager on each device a backend computes on
         for name in names:
             try:
+                device = backend_device(name)
+                there = on_backend(inputs, name)  # the backend reads its own device's tensors
+                if device not in torch_us:
+                    torch_us[device] = median_s(lambda eager=eager, x=there: eager(*x), iterations, device) * 1e6
                 exe = graph.compile(name)
                 check_graph(graph, inputs, eager, name)  # a wrong result never gets a time
             except yr.NotSupportedError as exc:
@@ -248,9 +266,10 @@ def run_graphs(names: list[str], iterations: int, outcomes: dict[str, Outcome]) 
                 print(f"{title:<46}{name:<11}  FAIL: {short(exc)}")
                 outcomes[name].failures += 1
                 continue
-            ours = median_s(lambda exe=exe, inputs=inputs: exe(inputs), iterations) * 1e6
+            ours = median_s(lambda exe=exe, x=there: exe(x), iterations, device) * 1e6
             fused = "op/op" if name == "reference" else str(len(exe.plan.kernels))  # reference runs op by op
-            print(f"{title:<46}{name:<11}{fused:>8}{ours:>12.0f}{torch_us:>11.0f}{torch_us / ours:>13.2f}x")
+            eager_us = torch_us[device]
+            print(f"{title:<46}{name:<11}{fused:>8}{ours:>12.0f}{eager_us:>11.0f}{eager_us / ours:>13.2f}x")
             passed[name] += 1
     for name in names:
         outcomes[name].graphs = f"{passed[name]}/{len(workloads)} match"

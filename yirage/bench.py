@@ -182,8 +182,13 @@ def _cell(backend: str, workload: Workload, share_s: float, seed: int) -> tuple[
                             "eager_median_us": None, "eager_p10_us": None, "eager_p90_us": None,
                             "vs_eager": None, "compile_s": None, "max_abs_error": None, "error": None}
     gen = torch.Generator().manual_seed(seed)
-    inputs = [torch.randn(s, generator=gen) * k for s, k in zip(workload.shapes, workload.scales, strict=True)]
-    ref = workload.torch_fn(*[t.double() for t in inputs])
+    host = [torch.randn(s, generator=gen) * k for s, k in zip(workload.shapes, workload.scales, strict=True)]
+    ref = workload.torch_fn(*[t.double() for t in host])  # the oracle on the CPU, in float64
+    device = torch.device(selection.registry().get(backend).torch_device)
+    inputs = [t.to(device) for t in host]  # both sides read the backend's device
+
+    def synced(fn: Callable[[], Any]) -> Callable[[], Any]:  # a call ends when its device work has
+        return fn if device.type == "cpu" else lambda: (fn(), torch.accelerator.synchronize(device))
     stage = "building the graph"
     try:
         g = new_kernel_graph(backend=backend)
@@ -193,7 +198,7 @@ def _cell(backend: str, workload: Workload, share_s: float, seed: int) -> tuple[
         exe = g.compile()
         cell["compile_s"] = time.perf_counter() - started
         stage = "the first run"
-        out = exe(inputs)[0]
+        out = exe(inputs)[0].cpu()
         cell["max_abs_error"] = float((out.double() - ref).abs().max())
         stage = "checking against torch float64"
         torch.testing.assert_close(out.double(), ref, rtol=RTOL, atol=ATOL_SCALE * max(1.0, float(ref.abs().max())))
@@ -201,7 +206,7 @@ def _cell(backend: str, workload: Workload, share_s: float, seed: int) -> tuple[
         cell["error"] = f"{stage}: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
         return cell, 0.0
     started = time.perf_counter()
-    mine, theirs = _time_pair(lambda: exe(inputs), lambda: workload.torch_fn(*inputs), share_s)
+    mine, theirs = _time_pair(synced(lambda: exe(inputs)), synced(lambda: workload.torch_fn(*inputs)), share_s)
     timing_s = time.perf_counter() - started
     cell.update(_stats(mine), samples=len(mine))
     eager = _stats(theirs)
