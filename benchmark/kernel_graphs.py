@@ -1,4 +1,4 @@
-"""yirage's backends (cpu, opencl, ...) vs torch eager and torch.compile on W1-W3 of shared/BENCHMARKS.md, in one run.
+"""yirage's backends (cpu, opencl, ...) vs torch eager and torch.compile on W1-W3 of docs/benchmarks.md, in one run.
 
     .venv/bin/python benchmark/kernel_graphs.py [--quick] [--json] [--workloads w1 w2 w3] [--backends cpu opencl]
 

@@ -1,4 +1,4 @@
-"""Decode speed (W4 and W6 of BENCHMARKS.md): yirage vs llama.cpp vs Hugging Face eager, interleaved in one run.
+"""Decode speed (W4 and W6 of docs/benchmarks.md): yirage vs llama.cpp vs Hugging Face eager, interleaved in one run.
 
     python benchmark/llm_decode.py [--models w4 w6 smollm2] [--dtypes f32 bf16 f16 q8_0 q4_0] [--rounds 3]
                                    [--tokens 64] [--busy N] [--no-llama-cpp] [--no-hf] [--sweep] [--profile] [--json]

@@ -6,7 +6,7 @@ and each rank's communication share (time inside collectives / decode time, meas
 
 Configs (random weights in float32; speed, not answers):
 
-- ``w6``: BENCHMARKS.md's W6 shape (SmolLM2-135M: hidden 576, 30 layers, 9 query / 3 KV heads of 64, ff 1536,
+- ``w6``: docs/benchmarks.md's W6 shape (SmolLM2-135M: hidden 576, 30 layers, 9 query / 3 KV heads of 64, ff 1536,
   vocab 49152). 3 KV heads: tp = 1 or 3 only.
 - ``w6-kv6``: W6 with 12 query / 6 KV heads of 48 (the same hidden size and attention width; q/k/v a little
   larger), so that tp = 2 is possible (valid tp: 1, 2, 3, 6).

@@ -226,7 +226,7 @@ def test_dialect_files_are_spellings_only() -> None:
 
 # -- large matmuls: prologue kernel -> host GEMM -> epilogue kernel where the dialect has a BLAS at hand ---------
 def _w1_graph() -> yr.KernelGraph:
-    """BENCHMARKS.md's W1 shape: rms_norm(x) * gain @ W + residual, W stored like an nn.Linear weight."""
+    """docs/benchmarks.md's W1 shape: rms_norm(x) * gain @ W + residual, W stored like an nn.Linear weight."""
     g = yr.new_kernel_graph()
     x, gain, r = g.new_input((64, 4096)), g.new_input((4096,)), g.new_input((64, 4096))
     w = g.new_input((4096, 4096), strides=(1, 4096))

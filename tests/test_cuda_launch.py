@@ -373,7 +373,7 @@ def test_only_large_float_products_with_a_plain_weight_become_gemm_steps(entry) 
 
 
 def w1_graph(m: int = 64, k: int = 4096, n: int = 4096) -> yr.KernelGraph:
-    """W1 of BENCHMARKS.md: rms_norm(x) * gain @ W + residual, W stored like an nn.Linear weight (N, K)."""
+    """W1 of docs/benchmarks.md: rms_norm(x) * gain @ W + residual, W stored like an nn.Linear weight (N, K)."""
     g = yr.new_kernel_graph()
     x, gain, r = g.new_input((m, k)), g.new_input((k,)), g.new_input((m, n))
     w = g.new_input((k, n), strides=(1, k))

@@ -4,7 +4,7 @@ The speed work (blocked matmul shapes, contiguous pointwise kernels, an inline
 vectorizable float32 exp, interruptible waits) must not change results beyond
 summation order: every shape a path takes, edge sizes included (K tails, N
 without a block divisor, batch broadcast, float16 storage), is compared with
-torch in float64. The structure test pins that W1 and W2 of BENCHMARKS.md take
+torch in float64. The structure test pins that W1 and W2 of docs/benchmarks.md take
 the fast shapes at all (the naive kernels were 13-73x slower on PoCL); the
 interrupt test that a long call answers Ctrl-C while the device still works.
 """
