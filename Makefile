@@ -42,11 +42,11 @@ triton-interpret: setup
 	TRITON_INTERPRET=1 YIRAGE_TRITON_AOT_CACHE=$(abspath $(TRITON_KIT_CACHE)) $(PY) -m pytest -q -rs -n 2 \
 		--dist loadfile tests/test_triton_render.py tests/test_triton_aot.py tests/test_launched_runtime.py
 
-# The whole GPU state in one command, for a person with one NVIDIA GPU (under 8 minutes on one H100): the kit on
-# cuda and triton, the GPU-only and LLM tests, decode beside HF eager, kernel graphs beside torch; a summary table,
-# JSON and logs in $(or $(YIRAGE_GPU_CHECK_DIR),build/gpu-check). Without a GPU: the compile-only part (every kit
-# plan and PersistentKernel source through NVRTC + ptxas for sm_80/sm_90), as CI runs it. Exit 1 on a wrong result,
-# never on speed.
+# The whole GPU state in one command, for a person with one NVIDIA GPU (budget: 8 minutes on one H100; not
+# measured yet): the kit on cuda and triton, the GPU-only and LLM tests, decode beside HF eager, kernel graphs beside
+# torch; a summary table, JSON and logs in build/gpu-check (YIRAGE_GPU_CHECK_DIR). Without a GPU: the compile-only
+# part (every kit plan and PersistentKernel source through NVRTC + ptxas for sm_80/sm_90), as CI runs it. Exit 1 on a
+# wrong result or a failed part, never on speed.
 gpu-check:
 	bash scripts/gpu_check.sh
 

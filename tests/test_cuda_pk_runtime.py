@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import yirage as yr
+
 pytest.importorskip("cuda.bindings", reason="the CUDA backend's tests need cuda-bindings: pip install "
                                             "'yirage-backend-cuda[nvrtc]'")
 
@@ -157,3 +159,13 @@ def test_where_a_gpu_exists_cuda_decodes_like_transformers() -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_a_tensor_on_another_device_than_the_tokens_is_refused(built) -> None:
+    program, rendered, cubin = built
+    name = next(t.name for t in program.tensors if t.attached and t.name != "tokens")
+    moved = {**program.values, name: program.values[name].to("meta")}  # as if on cuda:1 beside tokens on cuda:0
+    stray = type(program)(**{**{f: getattr(program, f) for f in program.__dataclass_fields__}, "values": moved})
+    module = CudaModule(cubin, 0, driver=FakeDriver(), capability=(9, 0))
+    with pytest.raises(yr.NotSupportedError, match=rf"{name} \(meta\) live elsewhere"):
+        CudaPersistentRuntime(stray, {}, module, lambda: STREAM, rendered)

@@ -138,6 +138,21 @@ def test_sampling_is_seeded_and_tiny_temperature_is_greedy(zoo, pk_backend) -> N
     assert not torch.equal(engine.generate(ids, hot).tokens, engine.generate(ids, other).tokens)
 
 
+
+def test_a_seeded_generation_draws_every_token_from_one_stream(zoo, pk_backend) -> None:
+    """The first token is drawn by the decode kernel's own sampler at its position, like every later one: so a
+    generation restarted from its prompt plus its first token continues with the same tokens. (With the first
+    token drawn from another random stream than the decode steps, the restart would draw differently.)"""
+    model = zoo("llama-gqa")
+    engine = InferEngine(model.path, backend=pk_backend)
+    ids = model.reference.ids[:1]
+    for seed in (3, 4, 5):
+        config = greedy(6, temperature=1.5, top_k=50, top_p=0.9, seed=seed)
+        whole = engine.generate(ids, config).tokens[0].tolist()
+        resumed = engine.generate(torch.cat([ids, torch.tensor([whole[:1]])], 1),
+                                  greedy(5, temperature=1.5, top_k=50, top_p=0.9, seed=seed)).tokens[0].tolist()
+        assert resumed == whole[1:], f"seed {seed}: {whole} then, resumed after its first token, {resumed}"
+
 # -- the PersistentKernel API ------------------------------------------------------------------
 
 

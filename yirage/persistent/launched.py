@@ -91,6 +91,13 @@ class LaunchedSteps:
     snapshot: Snapshot
 
     def _init_loop(self) -> None:
+        """Refuse tensors on another device than the program's (the PersistentKernel checks device types only:
+        a weight on cuda:1 beside tokens on cuda:0 would hand a kernel another device's address), then set up."""
+        stray = [f"{name} ({t.device})" for name, t in [*self.values.items(), ("step", self.program.step)]
+                 if t.device != self.device]
+        if stray:
+            raise NotSupportedError(f"the {self.kind} runtime's kernels run on {self.device}, but {', '.join(stray)} "
+                                    f"live elsewhere; move every tensor of the PersistentKernel to {self.device}")
         self._stop = False
         #: how a step is recorded for replay on this device (None: launched every time); see StepGraph
         self.capture: Callable[[Callable[[], None]], Any] | None = StepGraph.for_device(self.device)

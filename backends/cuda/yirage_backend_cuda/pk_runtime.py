@@ -87,6 +87,7 @@ class CudaPersistentRuntime(LaunchedSteps):
                 check_tensor(value, f"the cuda runtime's tensor {t.name!r}", self.device.type, written=True)
             self.values[t.name] = value
             self.buffers[tensor_name(t.index)] = value
+        self._init_loop()  # refuses tensors off the program's device before any address is bound
         self.ctl = torch.zeros(self.rendered.ctl_size, dtype=torch.int64, device=self.device)
         self.buffers.update({STEP: program.step, CTL: self.ctl})
         for scratch in (XS, SCORES):
@@ -96,7 +97,6 @@ class CudaPersistentRuntime(LaunchedSteps):
         self._commit_launch = self._launcher(self.rendered.commit)
         self.launches: list[tuple[int, Launch]] = [(x.layer, self._launcher(x)) for x in self.rendered.layers]
         self.snapshot = Snapshot([*self.values.items(), ("step", program.step)])
-        self._init_loop()
 
     def _launcher(self, x: PKLaunch) -> Launch:
         """One kernel launch with its arguments bound (the addresses of its buffers, fixed for this runtime)."""
