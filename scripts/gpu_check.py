@@ -13,8 +13,10 @@ With a GPU, after the compile-only part:
 
 It prints one summary table and writes it as ``summary.json`` and ``summary.md`` with every part's full log
 (``logs/``) into ``$YIRAGE_GPU_CHECK_DIR`` (default ``build/gpu-check``). It installs nothing from the network and
-downloads no model. Exit status: 1 when any part gave a wrong result or failed, never because of speed; a part
-that ran out of its time limit counts as failed (it says so).
+downloads no model. The whole check keeps to ``$YIRAGE_GPU_CHECK_BUDGET`` seconds (default 480): a part still running
+at its share's end is killed with its process group and reported as a TIMEOUT; ``$YIRAGE_GPU_CHECK_ONLY`` (part
+names, comma-separated) reruns some parts only. Exit status: 1 when any part gave a wrong result or failed, never
+because of speed; a part that ran out of its time limit counts as failed (it says so).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -50,24 +53,44 @@ class Part:
     status: str = "not run"  # "ok", "FAILED", "TIMEOUT", "skipped: why"
     seconds: float = 0.0
     summary: str = ""
+    failures: list[str] = field(default_factory=list)
     log: str = ""
 
-    def run(self, logs: Path) -> Part:
+    def run(self, logs: Path, deadline: float | None = None) -> Part:
+        """Run the command with its output in its log; past ``min(timeout, deadline)`` its whole process group
+        (pytest-xdist workers included) is killed, so a hung part cannot hold the GPU for the parts after it."""
         path = logs / f"{self.name}.log"
         self.log = str(path.relative_to(logs.parent))
+        left = float("inf") if deadline is None else deadline - time.monotonic()
+        limit = min(self.timeout, left)
+        if left < 5:
+            self.status = "skipped: the check's time budget was spent (YIRAGE_GPU_CHECK_BUDGET)"
+            path.write_text(self.status + "\n")
+            return self
         start = time.perf_counter()
         with path.open("w") as out:
             out.write(f"$ {' '.join(self.command)}\n")
             out.flush()
+            child = subprocess.Popen(self.command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **self.env}, start_new_session=True)
             try:
-                done = subprocess.run(self.command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                      timeout=self.timeout, env={**os.environ, **self.env})
-                self.status = "ok" if done.returncode == 0 else f"FAILED (exit {done.returncode})"
+                code = child.wait(timeout=limit)
+                self.status = "ok" if code == 0 else f"FAILED (exit {code})"
             except subprocess.TimeoutExpired:
-                self.status = f"TIMEOUT after {self.timeout:.0f} s"
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+                self.status = f"TIMEOUT after {limit:.0f} s"
         self.seconds = time.perf_counter() - start
         self.summary = _last_line(path)
+        self.failures = _failed_tests(path)
         return self
+
+
+def _failed_tests(path: Path, most: int = 20) -> list[str]:
+    """pytest's ``FAILED``/``ERROR`` lines (``-rfE``) of a log, so the table says which tests failed and why."""
+    lines = [line.strip() for line in path.read_text(errors="replace").splitlines()
+             if line.startswith(("FAILED ", "ERROR "))]
+    return [line[:300] for line in lines[:most]] + ([f"... and {len(lines) - most} more"] if len(lines) > most else [])
 
 
 def _last_line(path: Path) -> str:
@@ -131,11 +154,15 @@ import sys, yirage as yr
 from yirage.backend.selection import current_backend
 graphs = current_backend(need="kernel_graphs").name
 decode = current_backend(need="persistent").name
-print("auto for kernel graphs:", graphs, "| for PersistentKernel / InferEngine:", decode)
 for decision in yr.last_auto_report():
     print("  ", decision)
+print("auto for kernel graphs:", graphs, "| for PersistentKernel / InferEngine:", decode)
 sys.exit(0 if decode != "cpu" and graphs != "cpu" else 1)
 """
+
+
+#: seconds of the check's budget kept for the timed parts, which run last and alone
+TIMED_RESERVE = 150
 
 
 def timed_parts(out: Path) -> list[Part]:
@@ -143,7 +170,7 @@ def timed_parts(out: Path) -> list[Part]:
         Part("decode-vs-hf", [PY, "benchmark/device_decode.py", "--backends", "cuda", "triton", "--json",
                               str(out / "decode.json")], 300),
         Part("graphs-vs-torch", [PY, "benchmark/device_graphs.py", "--backends", "cuda", "triton", "--json",
-                                 str(out / "graphs.json")], 240),
+                                 str(out / "graphs.json")], 150),
     ]
 
 
@@ -151,6 +178,9 @@ def write_summary(out: Path, header: str, parts: list[Part], note: str) -> str:
     width = max(len(p.name) for p in parts)
     lines = [header, "", f"| {'part':{width}} | status | seconds | result |", f"|{'-' * (width + 2)}|---|---|---|"]
     lines += [f"| {p.name:{width}} | {p.status} | {p.seconds:.0f} | {p.summary.replace('|', '/')} |" for p in parts]
+    for p in parts:
+        if p.status != "ok" and p.failures:
+            lines += ["", f"{p.name} (full log: {p.log}):", *(f"    {line}" for line in p.failures)]
     for extra in ("decode.json", "graphs.json"):
         if (out / extra).exists():
             lines += ["", f"{extra}:", "```", (out / extra).read_text().strip()[:6000], "```"]
@@ -170,19 +200,27 @@ def main() -> int:
     logs = out / "logs"
     logs.mkdir(parents=True)
     gpu, what = gpu_present()
-    started = time.perf_counter()
-    parts = [p.run(logs) for p in compile_only_parts()]
+    started = time.monotonic()
+    budget = float(os.environ.get("YIRAGE_GPU_CHECK_BUDGET", "480"))
+    only = {name for name in os.environ.get("YIRAGE_GPU_CHECK_ONLY", "").split(",") if name}
+    chosen = lambda wave: [p for p in wave if not only or p.name in only]  # noqa: E731
     note = ""
+    parts: list[Part] = []
     if gpu:
-        for wave in parallel_parts(os.cpu_count() or 2):
-            with ThreadPoolExecutor(max_workers=len(wave)) as pool:
-                parts += list(pool.map(lambda p: p.run(logs), wave))
-        parts += [p.run(logs) for p in timed_parts(out)]
+        # the compile-only part runs beside the first wave; the timed parts keep their share of the budget
+        waves = parallel_parts(os.cpu_count() or 2)
+        waves[0] = compile_only_parts() + waves[0]
+        untimed_deadline = started + budget - TIMED_RESERVE
+        for wave in map(chosen, waves):
+            with ThreadPoolExecutor(max_workers=max(1, len(wave))) as pool:
+                parts += list(pool.map(lambda p: p.run(logs, untimed_deadline), wave))
+        parts += [p.run(logs, started + budget) for p in chosen(timed_parts(out))]
     else:
+        parts = [p.run(logs) for p in chosen(compile_only_parts())]
         note = (f"NO GPU HERE ({what}): only the compile-only part ran. The conformance kit on cuda/triton, the GPU "
                 "tests, the LLM tests on the GPU backends and the timed decode need an NVIDIA GPU: run make gpu-check "
                 "on a machine with one.")
-    header = f"yirage gpu-check: {what}; {time.perf_counter() - started:.0f} s in all; logs in {out}"
+    header = f"yirage gpu-check: {what}; {time.monotonic() - started:.0f} s in all; logs in {out}"
     print(write_summary(out, header, parts, note))
     return 0 if all(p.status == "ok" for p in parts) else 1
 

@@ -169,3 +169,27 @@ def test_an_unwritable_cache_dir_is_a_clear_error(tmp_path) -> None:
                          text=True, env=env, cwd=ROOT, timeout=300, check=False)
     assert out.returncode != 0
     assert "CacheError" in out.stderr and "YIRAGE_CACHE_DIR" in out.stderr
+
+
+def test_a_file_renamed_away_while_the_entry_is_checked_is_not_an_error(tmp_path, monkeypatch) -> None:
+    """Two xdist workers building one entry: one lists the other's temporary file, which is renamed into place
+    before its mode is read. That vanished name must not fail the check; a file of another mode still does."""
+    from yirage.compiler import cache
+
+    entry = tmp_path / "entry"
+    entry.mkdir(mode=0o700)
+    (entry / ".kernels.cu.123.tmp").write_text("x")
+    (entry / ".kernels.cu.123.tmp").chmod(0o600)
+    real_lstat = os.lstat
+
+    def renamed_meanwhile(path, *args, **kwargs):
+        if str(path).endswith(".tmp"):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_lstat(path, *args, **kwargs)
+
+    monkeypatch.setattr(cache.os, "lstat", renamed_meanwhile)
+    cache.check_tree(entry)
+    (entry / "kernels.cu").write_text("y")
+    (entry / "kernels.cu").chmod(0o666)
+    with pytest.raises(cache.CacheSecurityError, match="writable by group or others"):
+        cache.check_tree(entry)

@@ -548,12 +548,17 @@ def test_inputs_on_another_device_or_of_another_dtype_are_refused_before_any_lau
 
     driver = FakeDriver()
     launcher = launcher_for(entry, driver, device=torch.device("cuda", 0))
-    with FakeTensorMode():  # tensors that say they live on cuda:1/cuda:0 (no data: refused before any address)
-        on1 = [t.to("cuda:1") for t in mixed_inputs()]
+    # fake tensors say they live on cuda:1/cuda:0 and hold no data (refused before any address); a host with one real
+    # GPU refuses even a fake cuda:1, so there the tensors from elsewhere are meta tensors
+    away = "meta" if torch.cuda.is_available() and torch.cuda.device_count() < 2 else "cuda:1"
+    with FakeTensorMode():
+        elsewhere = [t.to(away) if away != "meta" else None for t in mixed_inputs()]
         on0 = [t.to("cuda:0") for t in mixed_inputs()]
-    with pytest.raises(LaunchError, match=r"input 0 \(in0\) is on cuda:1, but this graph's kernels are loaded on "
+    if away == "meta":
+        elsewhere = [torch.empty_like(t, device="meta") for t in mixed_inputs()]
+    with pytest.raises(LaunchError, match=rf"input 0 \(in0\) is on {away}, but this graph's kernels are loaded on "
                                           r"cuda:0: move it with t.to\('cuda:0'\)"):
-        launcher(on1)
+        launcher(elsewhere)
     with pytest.raises(LaunchError, match=r"input 2 \(in2\) is on cpu, but .* cuda:0"):
         launcher(on0[:2] + [torch.zeros(8, 4, dtype=torch.float16)] + on0[3:])
     on0[1] = on0[1].float()

@@ -31,13 +31,15 @@ def test_parts_are_told_apart_and_the_summary_names_each(gpu_check, tmp_path: Pa
     logs.mkdir()
     py = sys.executable
     parts = [gpu_check.Part("passes", [py, "-c", "print('3 passed in 0.1s')"], 30).run(logs),
-             gpu_check.Part("fails", [py, "-c", "print('1 failed, 2 passed'); raise SystemExit(1)"], 30).run(logs),
+             gpu_check.Part("fails", [py, "-c", "print('FAILED t.py::a - boom'); print('1 failed, 2 passed'); "
+                                                "raise SystemExit(1)"], 30).run(logs),
              gpu_check.Part("hangs", [py, "-c", "import time; time.sleep(30)"], 1).run(logs)]
     assert [p.status for p in parts] == ["ok", "FAILED (exit 1)", "TIMEOUT after 1 s"]
     assert parts[0].summary == "3 passed in 0.1s" and parts[1].summary == "1 failed, 2 passed"
     assert (logs / "fails.log").read_text().startswith("$ ") and parts[1].log == "logs/fails.log"
     text = gpu_check.write_summary(tmp_path, "header", parts, "a note")
     assert "| passes " in text and "| FAILED (exit 1) |" in text and "TIMEOUT after 1 s" in text
+    assert parts[1].failures == ["FAILED t.py::a - boom"] and "    FAILED t.py::a - boom" in text
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert [p["name"] for p in saved["parts"]] == ["passes", "fails", "hangs"] and saved["note"] == "a note"
     assert (tmp_path / "summary.md").read_text().strip() == text.strip()
@@ -52,3 +54,28 @@ def test_only_a_part_that_is_not_ok_fails_the_check(gpu_check, tmp_path: Path, m
     assert "NO GPU HERE (no GPU in this test)" in (tmp_path / "out" / "summary.md").read_text()
     monkeypatch.setattr(gpu_check, "compile_only_parts", lambda: [gpu_check.Part("bad", [py, "-c", "1/0"], 30)])
     assert gpu_check.main() == 1
+
+
+def test_a_part_past_the_checks_budget_is_killed_with_its_children_or_not_started(gpu_check, tmp_path: Path) -> None:
+    import time
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    py = sys.executable
+    child = tmp_path / "child.pid"
+    # a part whose own child (as an xdist worker would be) outlives it unless the whole group is killed
+    code = ("import subprocess, sys, time; "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(child)!r}, 'w').write(str(c.pid)); time.sleep(60)")
+    hung = gpu_check.Part("hangs", [py, "-c", code], 60).run(logs, deadline=time.monotonic() + 6)
+    assert hung.status == "TIMEOUT after 6 s" and hung.seconds < 30
+    pid = int(child.read_text())
+    status = Path(f"/proc/{pid}/status")
+    for _ in range(50):  # killed: gone, or a zombie until whoever inherited it reaps it
+        if not status.exists() or "\tZ" in status.read_text().split("State:")[1].splitlines()[0]:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the part's child {pid} outlived the part's timeout")
+    late = gpu_check.Part("late", [py, "-c", "pass"], 60).run(logs, deadline=time.monotonic() + 1)
+    assert late.status.startswith("skipped: the check's time budget was spent")

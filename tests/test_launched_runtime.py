@@ -133,6 +133,48 @@ def test_a_captured_step_is_replayed_and_decodes_the_same(zoo, backend, monkeypa
     assert len(recorded) == 1 and recorded[0].replays == NEW - 2  # step 1 eager (then captured), the rest replayed
 
 
+def test_a_failed_capture_runs_the_step_eagerly_retries_then_decodes_without_a_graph(zoo, backend, monkeypatch,
+                                                                                       caplog) -> None:
+    """A capture that fails (CUDA reports an invalidated capture) recorded nothing and ran nothing: the tokens must
+    still equal transformers', the next step runs eagerly, one retry is made, then no graph is tried again."""
+    from yirage.persistent import launched
+
+    attempts = []
+
+    def failing(step):
+        attempts.append(step)
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(launched.StepGraph, "for_device", classmethod(lambda cls, device: failing))
+    model = zoo("llama-gqa")
+    engine = InferEngine(model.path, backend=backend)
+    with caplog.at_level("WARNING", logger=launched.__name__):
+        got = engine.generate(model.reference.ids, GenerationConfig(max_new_tokens=NEW, eos_token_id=()))
+    assert got.tokens.tolist() == model.reference.tokens[:, :NEW].tolist()
+    assert len(attempts) == launched.CAPTURE_TRIES
+    assert "decoding without a graph from now on" in caplog.text and "recording again" in caplog.text
+
+
+def test_a_step_is_recorded_with_the_garbage_collector_off_and_thread_local_capture_errors() -> None:
+    """A collection during the capture could destroy an older engine's graph, which invalidates the capture."""
+    import contextlib
+    import gc
+
+    from yirage.persistent.launched import StepGraph
+
+    seen = {}
+
+    class Module:
+        @staticmethod
+        @contextlib.contextmanager
+        def graph(graph, pool=None, stream=None, capture_error_mode="global"):
+            seen["mode"] = capture_error_mode
+            yield
+
+    StepGraph(Module, object, lambda: seen.setdefault("collecting", gc.isenabled()))
+    assert seen == {"mode": "thread_local", "collecting": False} and gc.isenabled()
+
+
 def test_devices_with_a_graph_api_get_a_capture_and_the_cpu_does_not() -> None:
     from yirage.persistent.launched import StepGraph
 

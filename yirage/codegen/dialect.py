@@ -67,6 +67,9 @@ class Dialect:
     #: of B into a partial sum, then sums the partials in a second kernel: the right shape on a CPU device, where
     #: a work-group is one thread's loop (set by a backend for its CPU devices)
     gemv_split_k: bool = False
+    #: a work-group barrier that also orders the group's global-memory writes before its later reads ("" = the
+    #: dialect has none); CUDA's ``__syncthreads`` does both, OpenCL and Metal name the global fence
+    barrier_global: str = ""
 
     @property
     def functions(self) -> frozenset[str]:

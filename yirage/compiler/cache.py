@@ -75,7 +75,14 @@ def check_tree(path: Path, tighten: bool = False) -> None:
     check_private(path)
     for dirpath, dirnames, filenames in os.walk(path):
         for name in dirnames + filenames:
-            check_private(Path(dirpath) / name)
+            try:
+                info = os.lstat(Path(dirpath) / name)
+            except FileNotFoundError:
+                # another process of ours renamed its temporary file into place after the listing (xdist workers
+                # building one entry): what is gone cannot be loaded, and its directory, checked private, holds
+                # only what this user put there
+                continue
+            check_private(Path(dirpath) / name, info)
 
 
 _made: set[Path] = set()

@@ -12,9 +12,10 @@ and layers with equal shapes and dtypes share one kernel.
 
 Work split: GEMV layers run one work-group per output column (threads split
 the reduction, every batch row at once); RMSNorm one work-group per row;
-attention one work-item per query head after a kernel that rotates and
-stores the new key/value; argmax one work-group per row; sampling one
-work-item per row. The math follows the reference runtime: float32 compute,
+attention one work-group per query head (its threads split the cached
+positions, then the head's columns) after a kernel that rotates and stores
+the new key/value; argmax one work-group per row; sampling one work-item
+per row. The math follows the reference runtime: float32 compute,
 weights widened from bfloat16/float16 as they load, IEEE (no fast math, no
 contraction), NaN-propagating max, first index on argmax ties.
 """
@@ -345,34 +346,49 @@ class _Renderer:
         launches = [self.kernel("y_kv_store", params, body, -(-total // GROUP), GROUP, i)]
         heads = batch * kv * grp_size
         self.scratch[SCORES] = max(self.scratch[SCORES], heads * seq)
+        if not self.d.barrier_global:
+            raise NotSupportedError(f"the {self.d.name} dialect spells no barrier over global memory; the "
+                                    "PersistentKernel's attention needs one")
+        g = self.group
+        _, grp, lid = self.ids()
         scale = self.f(1.0 / math.sqrt(d))
         kread, vread = (f"READ({c}, kb + s * {d} + c)" for c in ("kc", "vc"))
-        body = [
-            f"{it} gid = {self.ids()[0]};", f"if (gid >= {heads}) return;",
+        nan_max = "(red[lid + h] > red[lid] || red[lid + h] != red[lid + h]) ? red[lid + h] : red[lid]"
+        body = [  # one work-group per query head: its threads split the positions, then the head's columns
+            f"{self.d.local} {f32} qs[{d}];", f"{self.d.local} {f32} red[{g}];",
+            f"{it} gid = {grp};", f"{it} lid = {lid};",
             f"{it} b = gid / {kv * grp_size};", f"{it} r = gid - b * {kv * grp_size};",
             f"{it} g = r / {grp_size};", f"{it} j = r - g * {grp_size};",
             f"{self.i64} pos = step[b];",
             f"{it} base = b * {kv * width} + g * {width} + j * {d};",
-            f"{f32} q[{d}];",
-            f"for ({it} c = 0; c < {d}; c++) {{",
+            f"for ({it} c = lid; c < {d}; c += {g}) {{",
             *(f"    {line}" for line in self._rope(d, "base")),
-            "    q[c] = rot;",
+            "    qs[c] = rot;",
             "}",
+            self.d.barrier,
             f"{it} kb = (b * {kv} + g) * {seq * d};",
             f"{it} sb = gid * {seq};",
             f"{f32} mx = {self.f(-math.inf)};",
-            f"for ({it} s = 0; s <= pos; s++) {{",
+            f"for ({it} s = lid; s <= pos; s += {g}) {{",
             f"    {f32} acc = {self.f(0)};",
-            f"    for ({it} c = 0; c < {d}; c++) acc = acc + q[c] * {kread};",
+            f"    for ({it} c = 0; c < {d}; c++) acc = acc + qs[c] * {kread};",
             f"    acc = acc * {scale};",
             "    sc[sb + s] = acc;",
             "    mx = (acc > mx || acc != acc) ? acc : mx;",
             "}",
+            "red[lid] = mx;",
+            *self.tree(g, [f"red[lid] = {nan_max};"]),
+            "mx = red[0];",
+            self.d.barrier,
             f"{f32} tot = {self.f(0)};",
-            f"for ({it} s = 0; s <= pos; s++) {{ {f32} e = {self.d.math['exp']}(sc[sb + s] - mx); sc[sb + s] = e; "
-            "tot = tot + e; }",
+            f"for ({it} s = lid; s <= pos; s += {g}) {{ {f32} e = {self.d.math['exp']}(sc[sb + s] - mx); "
+            "sc[sb + s] = e; tot = tot + e; }",
+            "red[lid] = tot;",
+            *self.tree(g, ["red[lid] = red[lid] + red[lid + h];"]),
+            "tot = red[0];",
+            self.d.barrier_global,  # every thread's exp(score) stored before any thread reads them all
             f"{it} ob = b * {n_out} + (g * {grp_size} + j) * {d};",
-            f"for ({it} c = 0; c < {d}; c++) {{",
+            f"for ({it} c = lid; c < {d}; c += {g}) {{",
             f"    {f32} o = {self.f(0)};",
             f"    for ({it} s = 0; s <= pos; s++) o = o + (sc[sb + s] / tot) * {vread};",
             "    out[ob + c] = o;",
@@ -381,7 +397,7 @@ class _Renderer:
         params = [("out", tensor_name(self.col(i, IntCol.OUTPUT)), True), ("sc", SCORES, True),
                   ("qkv", qkv, False), ("kc", kc, False), ("vc", vc, False), ("step", STEP, False),
                   ("cos", cos, False), ("sin", sin, False)]
-        launches.append(self.kernel("y_attention", params, body, -(-heads // GROUP), GROUP, i))
+        launches.append(self.kernel("y_attention", params, body, heads, g, i))
         return launches
 
     def argmax(self, i: int) -> list[PKLaunch]:

@@ -17,7 +17,10 @@ from ``persistent_runtime``.
 
 from __future__ import annotations
 
+import gc
 import importlib
+import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +35,9 @@ from yirage.persistent.runtime import SINGLE_DEVICE, TaskBodies, register_task_b
 from yirage.persistent.specs import FloatCol, IntCol
 
 Launch = Callable[[], None]
+logger = logging.getLogger(__name__)
+#: failed recordings of a step as a device graph before a runtime decodes without one
+CAPTURE_TRIES = 2
 
 
 def _pow2(n: int, cap: int | None = None) -> int:
@@ -50,9 +56,20 @@ class StepGraph:
     CLASSES = ("CUDAGraph", "NPUGraph", "MUSAGraph", "MLUGraph")
 
     def __init__(self, module: Any, cls: Any, step: Callable[[], None]) -> None:
+        """Record ``step``. The garbage collector is off meanwhile: a collection during the capture can destroy an
+        older engine's graph or module, a call that invalidates the capture (seen on an H100 between xdist tests);
+        other threads' CUDA calls do not invalidate it where the API takes ``capture_error_mode``."""
         self.graph = cls()
-        with module.graph(self.graph):
-            step()
+        options = {"capture_error_mode": "thread_local"} if _accepts(module.graph, "capture_error_mode") else {}
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with module.graph(self.graph, **options):
+                step()
+        finally:
+            if collecting:
+                gc.enable()
 
     def replay(self) -> None:
         self.graph.replay()
@@ -67,6 +84,13 @@ class StepGraph:
         if graph_cls is None or not callable(getattr(module, "graph", None)):
             return None
         return lambda step: cls(module, graph_cls, step)
+
+
+def _accepts(function: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
 
 
 class LaunchedSteps:
@@ -102,6 +126,7 @@ class LaunchedSteps:
         #: how a step is recorded for replay on this device (None: launched every time); see StepGraph
         self.capture: Callable[[Callable[[], None]], Any] | None = StepGraph.for_device(self.device)
         self._graph: Any = None
+        self._capture_failures = 0
 
     def _begin(self) -> None:
         raise NotImplementedError
@@ -142,6 +167,22 @@ class LaunchedSteps:
             launch()
         self._commit()
         self._begin()
+
+    def _captured(self) -> Any:
+        """The step as a graph, or None after a failed capture: the failed capture ran nothing, so the next step
+        runs eagerly (a real launch error raises there) and the capture is tried again; after
+        ``CAPTURE_TRIES`` failures this runtime decodes without a graph, which is correct, only slower."""
+        try:
+            return self.capture(self._step)
+        except RuntimeError as exc:  # torch.AcceleratorError, a driver's launch error inside the capture
+            self._capture_failures += 1
+            last = self._capture_failures >= CAPTURE_TRIES
+            logger.warning("recording a decode step as a device graph failed (%s: %s); %s", type(exc).__name__, exc,
+                           "decoding without a graph from now on (slower, same tokens)" if last else
+                           "running the next step eagerly and recording again")
+            if last:
+                self.capture = None
+            return None
 
     def value(self, name: str) -> Any:
         return self.values[name]
@@ -186,7 +227,7 @@ class LaunchedSteps:
                     else:
                         self._step()
                         if self.capture is not None:  # the kernels are compiled now: record the step once
-                            self._graph = self.capture(self._step)
+                            self._graph = self._captured()
                     ctl = self.ctl.tolist()
                     steps += 1
             finally:  # Ctrl-C between two launches: nothing of ours still runs when run() raises

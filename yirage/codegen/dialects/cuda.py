@@ -12,6 +12,7 @@ DIALECT = Dialect(
     param=lambda i, ctype, name, writable: f"{'' if writable else 'const '}{ctype}* __restrict__ {name}",
     ids=CUDA_IDS,
     barrier="__syncthreads();",
+    barrier_global="__syncthreads();",
     local="__shared__",
     inline="__device__ __forceinline__",
     index_type="long long",

@@ -11,6 +11,7 @@ DIALECT = Dialect(
     id_params=("uint gid_ [[thread_position_in_grid]]", "uint wid_ [[threadgroup_position_in_grid]]",
                "uint lid_ [[thread_position_in_threadgroup]]", "uint lsz_ [[threads_per_threadgroup]]"),
     barrier="threadgroup_barrier(mem_flags::mem_threadgroup);",
+    barrier_global="threadgroup_barrier(mem_flags::mem_threadgroup | mem_flags::mem_device);",
     local="threadgroup",
     inline="inline",
     index_type="long",

@@ -10,6 +10,7 @@ DIALECT = Dialect(
     ids={"global": "get_global_id(0)", "group": "get_group_id(0)", "local": "get_local_id(0)",
          "local_size": "get_local_size(0)"},
     barrier="barrier(CLK_LOCAL_MEM_FENCE);",
+    barrier_global="barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);",
     local="__local",
     inline="inline",
     index_type="long",
