@@ -1,6 +1,7 @@
 """Decode of a SmolLM2-shaped random model on each given backend, beside Hugging Face eager on the same device.
 
     python benchmark/device_decode.py --backends cuda triton [--dtypes float32 bfloat16] [--json out.json]
+    python benchmark/device_decode.py --backends cuda:YIRAGE_CUDA_PK_RUNTIME=megakernel   # a runtime variant
     python benchmark/device_decode.py --backends cpu --small          # a smoke run of the same code on the CPU
 
 The model has SmolLM2-135M's shape (30 layers, hidden 576, intermediate 1536, 9 query / 3 KV heads of 64, vocab
@@ -19,11 +20,14 @@ Every figure is measured in this run; nothing is compared with a number from els
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +136,35 @@ def yirage_run(path: Path, backend: str, ids: Any, rounds: int) -> dict[str, Any
             "device": str(engine.model.device)}
 
 
+def variant(spec: str) -> tuple[str, tuple[str, str] | None]:
+    """``cuda:YIRAGE_CUDA_PK_RUNTIME=megakernel`` -> the backend and the environment setting its run needs."""
+    name, _, setting = spec.partition(":")
+    if not setting:
+        return name, None
+    key, sep, value = setting.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--backends {spec!r}: write a variant as BACKEND:VARIABLE=VALUE")
+    return name, (key, value)
+
+
+@contextlib.contextmanager
+def environment(setting: tuple[str, str] | None) -> Iterator[None]:
+    """``setting`` in os.environ for the block (the runtime reads it when the engine builds its decoder)."""
+    if setting is None:
+        yield
+        return
+    key, value = setting
+    before = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -139,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     from yirage.backend.selection import resolve
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backends", nargs="+", required=True, help="yirage backends to decode on")
+    parser.add_argument("--backends", nargs="+", required=True,
+                        help="yirage backends to decode on; BACKEND:VARIABLE=VALUE runs one with an environment "
+                             "setting (cuda:YIRAGE_CUDA_PK_RUNTIME=megakernel)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=3, help="timed generates per implementation (median)")
     parser.add_argument("--small", action="store_true", help="a 2-layer model instead of SmolLM2's shape (smoke)")
@@ -152,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         for dtype_name in args.dtypes:
             dtype = getattr(torch, dtype_name)
             path, oracle = make_model(shape, dtype, Path(tmp))
-            for name in args.backends:
-                row: dict[str, Any] = {"backend": name, "dtype": dtype_name}
+            for spec in args.backends:
+                name, setting = variant(spec)
+                row: dict[str, Any] = {"backend": spec, "dtype": dtype_name}
                 rows.append(row)
                 try:
                     device = torch.device(resolve(name, "--backends", need="persistent").torch_device)
@@ -162,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 theirs, logits = oracle_tokens(oracle, ids, device)
                 try:
-                    row.update(yirage_run(path, name, ids, args.rounds))
+                    with environment(setting):
+                        row.update(yirage_run(path, name, ids, args.rounds))
                 except Exception as exc:  # noqa: BLE001 - one failing backend must not hide the others' rows
                     row["error"] = f"{type(exc).__name__}: {exc}"
                     continue
@@ -173,12 +210,13 @@ def main(argv: list[str] | None = None) -> int:
                     row["hf_over_yirage"] = row["hf_ms_per_token"] / row["ms_per_token"]
     print(f"decode of a {'small' if args.small else 'SmolLM2-shaped'} random model, {PROMPT}-token prompt, "
           f"{NEW_TOKENS} new tokens (ms/token: median of {args.rounds})")
-    print(f"{'backend':10} {'dtype':9} {'yirage':>9} {'HF eager':>9} {'HF/yirage':>9}  tokens vs float32 oracle")
+    width = max(10, *(len(r["backend"]) for r in rows))
+    print(f"{'backend':{width}} {'dtype':9} {'yirage':>9} {'HF eager':>9} {'HF/yirage':>9}  tokens vs float32 oracle")
     for r in rows:
         if "error" in r:
-            print(f"{r['backend']:10} {r['dtype']:9} ERROR {r['error'][:200]}")
+            print(f"{r['backend']:{width}} {r['dtype']:9} ERROR {r['error'][:200]}")
             continue
-        print(f"{r['backend']:10} {r['dtype']:9} {r['ms_per_token']:9.3f} {r['hf_ms_per_token']:9.3f} "
+        print(f"{r['backend']:{width}} {r['dtype']:9} {r['ms_per_token']:9.3f} {r['hf_ms_per_token']:9.3f} "
               f"{r['hf_over_yirage']:8.2f}x  {r['tokens_vs_oracle']}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

@@ -1,15 +1,16 @@
 """The whole GPU state of yirage in one command: ``make gpu-check`` (a person with one NVIDIA GPU runs it).
 
 Without a GPU it runs its compile-only part (every conformance-kit plan and every PersistentKernel source of the
-CUDA runtime through NVRTC and ptxas for sm_80 and sm_90) and says that the rest needs a GPU; CI runs that part.
-With a GPU, after the compile-only part:
+CUDA runtimes, the resident megakernel's included, through NVRTC and ptxas for sm_80 and sm_90) and says that the
+rest needs a GPU; CI runs that part. With a GPU:
 
-1. in parallel (nothing here is timed), in two waves: the conformance kit on ``cuda`` and on ``triton``
-   (pytest-xdist), the LLM tests on the GPU backends and ``auto``'s choice; then the GPU-only test files and
-   ``backend_manager.py test cuda`` (on the compile cache the first wave filled);
-2. alone, timed: decode of a SmolLM2-shaped random model on each GPU backend beside Hugging Face eager on the same
-   GPU, greedy tokens compared (benchmark/device_decode.py), and Mirage-style kernel graphs against torch eager
-   (benchmark/device_graphs.py).
+1. in parallel (nothing here is timed), in two waves: the compile-only part, the conformance kit on ``cuda`` and
+   on ``triton`` (pytest-xdist), the LLM tests on the GPU backends and ``auto``'s choice; then the GPU-only test
+   files, ``backend_manager.py test cuda`` (on the compile cache the first wave filled) and the LLM tests on the
+   cuda megakernel (``YIRAGE_CUDA_PK_RUNTIME=megakernel``);
+2. alone, timed: decode of a SmolLM2-shaped random model on each GPU backend (and the cuda megakernel, in its own
+   part) beside Hugging Face eager on the same GPU, greedy tokens compared (benchmark/device_decode.py), and
+   Mirage-style kernel graphs against torch eager (benchmark/device_graphs.py).
 
 It prints one summary table and writes it as ``summary.json`` and ``summary.md`` with every part's full log
 (``logs/``) into ``$YIRAGE_GPU_CHECK_DIR`` (default ``build/gpu-check``). It installs nothing from the network and
@@ -37,7 +38,8 @@ PY = sys.executable
 #: the parallel part's test files that need a GPU (each skips itself elsewhere)
 GPU_TESTS = ["tests/test_cuda_launch.py", "tests/test_cuda_build.py", "tests/test_cuda_graphs.py",
              "tests/test_cuda_kernel_languages.py", "tests/test_cuda_pk_runtime.py", "tests/test_launched_runtime.py",
-             "tests/test_triton_render.py", "tests/test_device_placement.py", "tests/test_triton_aot.py"]
+             "tests/test_triton_render.py", "tests/test_device_placement.py", "tests/test_triton_aot.py",
+             "tests/test_cuda_megakernel.py"]
 LLM_TESTS = ["tests/test_persistent.py", "tests/test_llm_ablation.py", "tests/test_pk_render.py",
              "tests/test_smollm2.py"]
 
@@ -145,7 +147,9 @@ def parallel_parts(cores: int) -> list[list[Part]]:
          Part("llm-cuda-triton", pytest(*xdist(2), "--dist", "loadfile", *LLM_TESTS, "-k", "cuda or triton"), 420),
          Part("auto-choice", [PY, "-c", AUTO_CHOICE], 120)],
         [Part("gpu-tests", pytest(*xdist(max(2, cores // 4)), "--dist", "loadfile", *GPU_TESTS), 420),
-         Part("backend-manager-test-cuda", [PY, "tools/backend_manager.py", "test", "cuda"], 300)],
+         Part("backend-manager-test-cuda", [PY, "tools/backend_manager.py", "test", "cuda"], 300),
+         Part("llm-cuda-megakernel", pytest(*xdist(2), "--dist", "loadfile", "tests/test_persistent.py", "-k", "cuda"),
+              240, env={MEGAKERNEL[0]: MEGAKERNEL[1]})],
     ]
 
 
@@ -162,13 +166,22 @@ sys.exit(0 if decode != "cpu" and graphs != "cpu" else 1)
 
 
 #: seconds of the check's budget kept for the timed parts, which run last and alone
-TIMED_RESERVE = 150
+TIMED_RESERVE = 200
+
+
+#: the environment setting that selects the cuda backend's resident megakernel (backends/cuda/.../megakernel.py)
+MEGAKERNEL = ("YIRAGE_CUDA_PK_RUNTIME", "megakernel")
 
 
 def timed_parts(out: Path) -> list[Part]:
+    """The decodes beside HF eager (the megakernel alone in its own part: a hang there cannot cost the other rows),
+    then the kernel graphs beside torch."""
     return [
         Part("decode-vs-hf", [PY, "benchmark/device_decode.py", "--backends", "cuda", "triton", "--json",
                               str(out / "decode.json")], 300),
+        Part("decode-megakernel-vs-hf", [PY, "benchmark/device_decode.py", "--backends",
+                                         f"cuda:{MEGAKERNEL[0]}={MEGAKERNEL[1]}", "--json",
+                                         str(out / "decode-megakernel.json")], 120),
         Part("graphs-vs-torch", [PY, "benchmark/device_graphs.py", "--backends", "cuda", "triton", "--json",
                                  str(out / "graphs.json")], 150),
     ]
@@ -181,7 +194,7 @@ def write_summary(out: Path, header: str, parts: list[Part], note: str) -> str:
     for p in parts:
         if p.status != "ok" and p.failures:
             lines += ["", f"{p.name} (full log: {p.log}):", *(f"    {line}" for line in p.failures)]
-    for extra in ("decode.json", "graphs.json"):
+    for extra in ("decode.json", "decode-megakernel.json", "graphs.json"):
         if (out / extra).exists():
             lines += ["", f"{extra}:", "```", (out / extra).read_text().strip()[:6000], "```"]
     if note:

@@ -169,7 +169,8 @@ def print_info(info: dict[str, Any]) -> None:
         ])
     print(f"Backends ({len(info['backends'])} discovered; * = available, but auto passes over it; graphs = "
           "kernel-graph dtypes it compiles; PK = PersistentKernel runtime: persistent (honours num_workers/"
-          "num_local_schedulers), launched or serial (ignore them), +quantized weights it reads)")
+          "num_local_schedulers), resident (honours num_workers), launched or serial (ignore them), +quantized "
+          "weights it reads)")
     print(_table(rows))
     print()
     print("Reasons")

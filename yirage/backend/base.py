@@ -97,7 +97,7 @@ class Capabilities:
     persistent: bool
     weight_formats: frozenset[str]
     #: how its PersistentKernel runtime runs a step (yirage.persistent.runtime.RUNTIME_KINDS: "persistent",
-    #: "launched", "serial"); "" without a runtime, or where the backend does not declare it
+    #: "resident", "launched", "serial"); "" without a runtime, or where the backend does not declare it
     persistent_kind: str = ""
 
     def missing(self, need: str, dtypes: frozenset[str] = frozenset()) -> str:
@@ -221,7 +221,7 @@ class Backend:
     persistent_weight_formats: ClassVar[frozenset[str]] = frozenset({"float32", "bfloat16", "float16"})
     #: how the runtime ``persistent_runtime`` returns runs a step, declared so that ``info`` and
     #: ``PersistentKernel.config`` can say which configuration fields it ignores without building one
-    #: (yirage.persistent.runtime: PERSISTENT, LAUNCHED or SERIAL); None: not declared
+    #: (yirage.persistent.runtime: PERSISTENT, RESIDENT, LAUNCHED or SERIAL); None: not declared
     persistent_kind: ClassVar[RuntimeKind | None] = None
     #: optional: a method ``compile_check(self)`` for machines without the device, compiling every
     #: conformance-kit kernel without running it; returns an object with ``ok: bool`` and ``summary() -> str``

@@ -3,14 +3,15 @@
 Why a declared contract: ``Backend.persistent_runtime(program, config)``
 returns the object ``PersistentKernel`` drives (``run``, ``value``,
 ``stop``); several runtimes implement it (cpu, OpenCL, launched Triton, the
-serial oracle, CUDA to come), and each once guessed the others' behaviour
+serial oracle, CUDA launched and resident), and each once guessed the others' behaviour
 from their code. Here it is written down, in the backend layer because the
 Backend interface names it:
 
 - ``PersistentRuntime``: the protocol, with what Ctrl-C guarantees.
 - ``RuntimeKind``: how a runtime runs a step, and so which configuration
   fields it honours (``PERSISTENT`` honours ``num_workers`` and
-  ``num_local_schedulers``; ``LAUNCHED`` and ``SERIAL`` ignore both). A
+  ``num_local_schedulers``, ``RESIDENT`` ``num_workers`` only; ``LAUNCHED``
+  and ``SERIAL`` ignore both). A
   backend declares its kind as ``Backend.persistent_kind`` without building
   a runtime, so ``info`` and ``PersistentKernel.config`` say which fields
   are ignored, and why, on a machine without the device.
@@ -52,9 +53,13 @@ PERSISTENT = RuntimeKind("persistent", frozenset(CONFIG_FIELDS),
 #: a step's task kernels are launched (enqueued) in layer order; the device schedules their blocks
 LAUNCHED = RuntimeKind("launched", frozenset(),
                        "a step's task kernels run in layer order on one stream or queue; the device schedules them")
+#: one resident kernel runs every step: its ``num_workers`` thread blocks run each layer's tasks, then meet at a
+#: grid-wide barrier (no schedulers: the barrier orders the layers), until EOS or the step limit
+RESIDENT = RuntimeKind("resident", frozenset({"num_workers"}),
+                       "one resident kernel's thread blocks run each layer's tasks between grid-wide barriers")
 #: the task graph walked one task at a time on the host (the reference oracle)
 SERIAL = RuntimeKind("serial", frozenset(), "one task at a time on the host, in task-graph order")
-RUNTIME_KINDS: dict[str, RuntimeKind] = {k.name: k for k in (PERSISTENT, LAUNCHED, SERIAL)}
+RUNTIME_KINDS: dict[str, RuntimeKind] = {k.name: k for k in (PERSISTENT, RESIDENT, LAUNCHED, SERIAL)}
 
 
 @runtime_checkable

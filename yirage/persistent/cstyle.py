@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -52,6 +52,7 @@ class PKRendered:
     commit: PKLaunch
     scratch: dict[str, int]  # XS / SCORES: float32 elements the runtime allocates
     ctl_size: int
+    ctypes: dict[str, str] = field(default_factory=dict)  # buffer -> its element type as the kernels declare it
 
     @property
     def step(self) -> tuple[PKLaunch, ...]:
@@ -447,7 +448,7 @@ class _Renderer:
             layers += TASKS.body(layer.kind)(self, layer.index)
         commit = self.commit()
         return PKRendered(self.emit.source(), begin, tuple(layers), commit, dict(self.scratch),
-                          control.size(self.p.batch))
+                          control.size(self.p.batch), {name: self.ctype(dt) for name, dt in self.dtypes.items()})
 
 
 #: the C-family task bodies by LayerSpec kind; the runtimes that enqueue these kernels (OpenCL, CUDA) register

@@ -28,7 +28,7 @@ from typing import Any
 
 import yirage
 from yirage.backend.probes import TorchCudaFacts, TorchDevice, torch_cuda_facts, torch_cuda_memory
-from yirage.backend.runtime_contract import LAUNCHED
+from yirage.backend.runtime_contract import LAUNCHED, RESIDENT
 from yirage.compiler.cache import write_private
 from yirage_backend_cuda.check import DEFAULT_ARCHS, CheckFailure, CheckReport, check_conformance, compile_check
 from yirage_backend_cuda.languages import KernelLanguageError, choose, from_env, parse_kernel_languages
@@ -65,19 +65,37 @@ class CUDABackend(yirage.Backend):
     description = "CUDA C kernels (NVRTC/nvcc) on NVIDIA GPUs"
     kernel_dtypes = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
 
-    #: each decode step as launched CUDA C task kernels, captured once as a CUDA graph (pk_runtime.py)
-    persistent_kind = LAUNCHED
+    @property
+    def persistent_kind(self) -> Any:  # type: ignore[override]
+        """``LAUNCHED`` (each decode step as CUDA C task kernels, captured once as a CUDA graph: pk_runtime.py), or
+        ``RESIDENT`` with ``YIRAGE_CUDA_PK_RUNTIME=megakernel`` (the whole decode in one launch: megakernel.py)."""
+        from yirage_backend_cuda.megakernel import selected_runtime
+
+        return RESIDENT if selected_runtime() == "megakernel" else LAUNCHED
 
     def persistent_runtime(self, program: Any, config: Any) -> Any:
-        """The program's task kernels (the core's C-family renderer, CUDA dialect) launched per decode step and
-        replayed as a CUDA graph: ``pk_runtime.CudaPersistentRuntime``."""
+        """The program's task kernels (the core's C-family renderer, CUDA dialect), launched per decode step and
+        replayed as a CUDA graph (``pk_runtime.CudaPersistentRuntime``), or run by one resident cooperative
+        kernel (``megakernel.CudaMegakernelRuntime``), as ``YIRAGE_CUDA_PK_RUNTIME`` says."""
+        from yirage_backend_cuda.megakernel import megakernel_runtime, selected_runtime
         from yirage_backend_cuda.pk_runtime import cuda_runtime
 
         self.require_available()
+        if selected_runtime() == "megakernel":
+            import torch
+
+            device = program.tokens.device
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return megakernel_runtime(program, config, index, lambda: torch.cuda.current_stream(index).cuda_stream)
         return cuda_runtime(program, config)
 
     def default_config(self, device: yirage.DeviceInfo) -> dict[str, int]:
-        """One stream runs a step's launches in order (the counts are ignored: ``LAUNCHED``)."""
+        """The launched runtime runs a step's launches in order on one stream (the counts are ignored); the
+        resident one runs ``BLOCKS_PER_SM`` thread blocks per SM (at most what the occupancy query allows)."""
+        from yirage_backend_cuda.megakernel import BLOCKS_PER_SM, selected_runtime
+
+        if selected_runtime() == "megakernel":
+            return {"num_workers": BLOCKS_PER_SM * (device.compute_units or 1), "num_local_schedulers": 0}
         return {"num_workers": 1, "num_local_schedulers": 0}
 
     def collective_backend(self) -> str | None:

@@ -187,11 +187,13 @@ PK_MODELS = (
 
 
 def persistent_sources() -> dict[str, str]:
-    """The CUDA source the cuda PersistentKernel runtime builds for each of ``PK_MODELS`` (random weights)."""
+    """The CUDA sources the cuda PersistentKernel runtimes build for each of ``PK_MODELS`` (random weights): the
+    launched runtime's task kernels and the resident megakernel."""
     import torch
 
     from yirage.models.config import LlamaConfig
     from yirage.models.llama import LlamaModel
+    from yirage_backend_cuda.megakernel import render_megakernel
     from yirage_backend_cuda.pk_runtime import render_cuda
 
     sources = {}
@@ -206,6 +208,7 @@ def persistent_sources() -> dict[str, str]:
         picking = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 1} if sampling else None
         program = model.build_decoder(step, tokens, backend="reference", sampling=picking).program
         sources[f"pk-{name}"] = render_cuda(program).source
+        sources[f"megakernel-{name}"] = render_megakernel(program).source
     return sources
 
 

@@ -45,7 +45,7 @@ def render_cuda(program: PersistentProgram) -> PKRendered:
     return render_persistent(program, DIALECT, GROUP, lanes=0)
 
 
-def load_module(source: str, device_index: int) -> CudaModule:
+def load_module(source: str, device_index: int, name: str = SOURCE_NAME) -> CudaModule:
     """``source`` built with NVRTC for ``cuda:device_index``'s arch and loaded there, once per process."""
     import torch
 
@@ -53,7 +53,7 @@ def load_module(source: str, device_index: int) -> CudaModule:
     arch = f"sm_{major}{minor}"
 
     def build() -> CudaModule:
-        return CudaModule(compile_cuda(source, arch, name=SOURCE_NAME, options=BUILD_OPTIONS).cubin, device_index)
+        return CudaModule(compile_cuda(source, arch, name=name, options=BUILD_OPTIONS).cubin, device_index)
 
     return load_once(cache_key(source, f"{__name__} {' '.join(BUILD_OPTIONS)}", arch), build, scope=device_index)
 
