@@ -19,7 +19,7 @@ from yirage.codegen.cstyle import Gemm, Launch, render
 from yirage.codegen.dialect import Dialect
 from yirage.codegen.dialects import dialect
 from yirage.codegen.exprs import UnsupportedExprError
-from yirage.compiler.kernel_ir import KernelPlan, Matmul, Row
+from yirage.compiler.kernel_ir import Attention, KernelPlan, Matmul, Row
 from yirage.compiler.lower import build_plan
 from yirage.testing.plugin import RANDOM_GRAPHS
 from yirage.testing.random_graphs import seeded_graph
@@ -141,6 +141,9 @@ def test_renders_every_plan_with_sound_structure(dialect_name: str, name: str) -
             assert f"{d.local} " in body, f"{k.name}: a row kernel reduces in local memory"
             assert barriers >= 2 * len(k.reductions), f"{k.name}: {barriers} barriers"
             assert main.groups == plan_rows(k)
+        elif isinstance(k, Attention):  # one work-group per (batch, head): max and sum reduced in local memory
+            assert f"{d.local} " in body and barriers >= 4, f"{k.name}: {barriers} barriers"
+            assert main.groups == k.batch * k.heads and d.barrier_global in body
         else:
             assert barriers == 0, f"{k.name} synchronizes without sharing local memory"
         if isinstance(k, Matmul):

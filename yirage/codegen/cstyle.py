@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from yirage.codegen import cstyle_matmul, indexing
 from yirage.codegen.dialect import Dialect, check_supported
 from yirage.codegen.emit import Emitter
-from yirage.codegen.exprs import Spelling, compute_type, spell_expr
+from yirage.codegen.exprs import Spelling, UnsupportedExprError, compute_type, spell_expr
 from yirage.codegen.indexing import IndexSyntax, broadcast_strides
 from yirage.codegen.launch import Check, Gemm, Launch, Scratch
 from yirage.compiler.kernel_ir import (
@@ -370,17 +370,26 @@ class _Renderer:
                           f"attention lengths must lie in [1, {k.seq}]; batch {{pos}} has length {{value}}", k.lengths)
             args.append(status)
         args.append(sc)
-        self.kernel(k.name, args, -(-pairs // GROUP), GROUP, check)
-        self.gid(pairs)
+        if not self.d.barrier_global:
+            raise UnsupportedExprError(f"the {self.d.name} dialect spells no work-group barrier over global memory; "
+                                       "decode attention needs one")
+        d = self.d
+        local = min(GROUP, 1 << max(0, (max(k.seq, k.head_dim) - 1).bit_length()))
+        # one work-group per (batch, head): its threads split the positions (scores, max, exp-sum), then the
+        # head's columns; the sums over positions for one column stay in position order, as in the reference
+        self.kernel(k.name, args, pairs, local, check)
+        emit(f"{d.local} {t} red[{local}];")
+        emit(f"{it} gid = {d.ids['group']};")
+        emit(f"{it} lid = {d.ids['local']};")
         emit(f"{it} b = gid / {k.heads};")
         emit(f"{it} h = gid - b * {k.heads};")
         emit(f"{it} g = h / {k.heads // k.kv_heads};")
         if k.lengths:
             ls = self.buffers[k.lengths].strides[0]
             emit(f"{it} n = ({it}){k.lengths}[b * {ls}];")
-            with emit.block(f"if (n < 1 || n > {k.seq}) {{"):
-                emit(f"{status}[0] = (int)(b + 1);")
-                emit("return;")
+            with emit.block(f"if (n < 1 || n > {k.seq}) {{"):  # reported; the group reads nothing and goes on
+                emit(f"if (lid == 0) {status}[0] = (int)(b + 1);")  # to its barriers (no early return before them)
+                emit("n = 0;")
             emit("}")
         else:
             emit(f"{it} n = {k.seq};")
@@ -390,7 +399,7 @@ class _Renderer:
         emit(f"{it} vb = {indexing.offset(['b', 'g'], vs[:2], self.ix)};")
         emit(f"{it} sb = gid * {k.seq};")
         emit(f"{t} mx = {self.const(-math.inf, ct)};")
-        with emit.block(f"for ({it} s = 0; s < n; s++) {{"):
+        with emit.block(f"for ({it} s = lid; s < n; s += {local}) {{"):
             emit(f"{t} acc = {self.const(0, ct)};")
             emit(f"{it} kr = {indexing.at('kb', 's', ks[2], self.ix)};")
             with emit.block(f"for ({it} d = 0; d < {k.head_dim}; d++) {{"):
@@ -401,15 +410,18 @@ class _Renderer:
             emit(f"{sc}[sb + s] = acc;")
             emit(f"mx = y_max_{s}(mx, acc);")
         emit("}")
+        self._group_reduce("mx", local, lambda a, b_: f"y_max_{s}({a}, {b_})")
         emit(f"{t} tot = {self.const(0, ct)};")
-        with emit.block(f"for ({it} s = 0; s < n; s++) {{"):
+        with emit.block(f"for ({it} s = lid; s < n; s += {local}) {{"):
             emit(f"{t} e = {self.exp(ct)}({sc}[sb + s] - mx);")
             emit(f"{sc}[sb + s] = e;")
             emit("tot = tot + e;")
         emit("}")
+        self._group_reduce("tot", local, lambda a, b_: f"{a} + {b_}")
+        emit(d.barrier_global)  # every thread's exp(score) stored before any thread reads them all
         emit(f"{it} ob = gid * {k.head_dim};")
         v_at = indexing.at(indexing.at("vb", "s", vs[2], self.ix), "d", vs[3], self.ix)
-        with emit.block(f"for ({it} d = 0; d < {k.head_dim}; d++) {{"):
+        with emit.block(f"for ({it} d = lid; d < {k.head_dim}; d += {local}) {{"):
             emit(f"{t} o = {self.const(0, ct)};")
             with emit.block(f"for ({it} s = 0; s < n; s++) {{"):
                 emit(f"o = o + ({sc}[sb + s] / tot) * {self.read(k.v, v_at)};")
@@ -417,6 +429,20 @@ class _Renderer:
             emit(self.write(k.out, "ob + d", "o"))
         emit("}")
         self.close()
+
+    def _group_reduce(self, var: str, local: int, combine: Callable[[str, str], str]) -> None:
+        """``var`` := ``combine`` of every thread's ``var`` (a local-memory tree over ``red``; ``red`` free after)."""
+        emit, d = self.emit, self.d
+        emit(f"red[lid] = {var};")
+        emit(d.barrier)
+        with emit.block(f"for (int h = {local // 2}; h > 0; h >>= 1) {{"):
+            with emit.block("if (lid < h) {"):
+                emit(f"red[lid] = {combine('red[lid]', 'red[lid + h]')};")
+            emit("}")
+            emit(d.barrier)
+        emit("}")
+        emit(f"{var} = red[0];")
+        emit(d.barrier)  # red is reused by the next reduction
 
     def render(self) -> Rendered:
         check_supported(self.plan, self.d)
