@@ -2,13 +2,16 @@
 
     python benchmark/device_graphs.py --backends cuda triton [--json out.json]
     python benchmark/device_graphs.py --backends cpu --small      # a smoke run of the same code on the CPU
+    python benchmark/device_graphs.py --backends cuda --superoptimize   # also g.superoptimize()'s winner
 
 The graphs are the patterns Mirage's examples fuse (gated MLP, RMSNorm + linear, LoRA, GQA / MHA / MQA decode
 attention, a norm after a residual add, Qwen's pre-norm projection with bias, a wide softmax), at decode-time
 shapes. Inputs are made on the CPU (seeded), moved to the backend's torch device once, and both sides read the
 same tensors. Each graph's output is first checked against torch eager (float64 on the CPU) and a wrong graph
 gets no figure. Timing: implementations interleaved call by call, each call synchronised on the device, median
-of ``--calls`` after warm-up; ratio = torch median / yirage median (> 1: yirage is faster).
+of ``--calls`` after warm-up; ratio = torch median / yirage median (> 1: yirage is faster). With
+``--superoptimize`` the graph's superoptimized plan (``g.superoptimize()``: fusion plans verified against a float64
+oracle and timed on the device, the winner cached) is timed beside them, with the winning plan named.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def sync(device: Any) -> None:
         torch.accelerator.synchronize(device)
 
 
-def run_case(case: Case, backend: str, device: Any, calls: int) -> dict[str, Any]:
+def run_case(case: Case, backend: str, device: Any, calls: int, superoptimize: bool = False) -> dict[str, Any]:
     import torch
 
     import yirage as yr
@@ -104,6 +107,10 @@ def run_case(case: Case, backend: str, device: Any, calls: int) -> dict[str, Any
     if not err <= 1e-3:
         return {**row, "error": f"wrong result: max |err| / max |want| = {err:.3g}"}
     impls = {"yirage": lambda: compiled(inputs), "torch": lambda: case.torch(*inputs)}
+    if superoptimize:
+        best = g.superoptimize(backend=backend, time_budget_s=30.0)
+        row["superopt_plan"] = best.report.winner
+        impls["superopt"] = lambda: best(inputs)
     times: dict[str, list[float]] = {k: [] for k in impls}
     for _ in range(3):  # warm-up: cuBLAS handles, caches
         for fn in impls.values():
@@ -117,6 +124,8 @@ def run_case(case: Case, backend: str, device: Any, calls: int) -> dict[str, Any
             times[name].append((time.perf_counter() - start) * 1e6)
     row.update({f"{k}_us": statistics.median(v) for k, v in times.items()})
     row["torch_over_yirage"] = row["torch_us"] / row["yirage_us"]
+    if superoptimize:
+        row["torch_over_superopt"] = row["torch_us"] / row["superopt_us"]
     return row
 
 
@@ -131,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=50, help="timed calls per implementation (median)")
     parser.add_argument("--small", action="store_true", help="tiny shapes (a smoke run)")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--superoptimize", action="store_true", help="also time g.superoptimize()'s winner")
     args = parser.parse_args(argv)
     rows = []
     for name in args.backends:
@@ -139,17 +149,22 @@ def main(argv: list[str] | None = None) -> int:
         except yr.YirageError as exc:
             rows.append({"graph": "*", "backend": name, "error": str(exc)})
             continue
-        rows += [run_case(case, name, device, args.calls) for case in cases(args.small)]
+        rows += [run_case(case, name, device, args.calls, args.superoptimize) for case in cases(args.small)]
     print(f"{'graph':18} {'backend':8} {'yirage us':>10} {'torch us':>10} {'torch/yirage':>12}")
     for r in rows:
         if "error" in r:
             print(f"{r['graph']:18} {r['backend']:8} ERROR {r['error'][:160]}")
         else:
+            extra = (f"  superoptimized {r['superopt_us']:.1f} us ({r['torch_over_superopt']:.2f}x torch, "
+                     f"plan {r['superopt_plan']})") if "superopt_us" in r else ""
             print(f"{r['graph']:18} {r['backend']:8} {r['yirage_us']:10.1f} {r['torch_us']:10.1f} "
-                  f"{r['torch_over_yirage']:11.2f}x")
+                  f"{r['torch_over_yirage']:11.2f}x{extra}")
     ratios = [r["torch_over_yirage"] for r in rows if "torch_over_yirage" in r]
     if ratios:
         print(f"median torch/yirage over {len(ratios)} graphs: {statistics.median(ratios):.2f}x")
+    superopt = [r["torch_over_superopt"] for r in rows if "torch_over_superopt" in r]
+    if superopt:
+        print(f"median torch/superoptimized over {len(superopt)} graphs: {statistics.median(superopt):.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

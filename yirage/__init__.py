@@ -27,6 +27,7 @@ from yirage.engine import GenerationConfig, GenerationResult, InferEngine
 from yirage.errors import (
     BackendError,
     BackendUnavailableError,
+    DeviceMemoryError,
     NotSupportedError,
     PluginAPIVersionError,
     PluginError,
@@ -54,6 +55,7 @@ __all__ = [
     "BackendType",
     "BackendUnavailableError",
     "DeviceInfo",
+    "DeviceMemoryError",
     "MemoryInfo",
     "NotSupportedError",
     "PluginAPIVersionError",

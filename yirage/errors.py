@@ -36,3 +36,7 @@ class UnsupportedAPIError(NotSupportedError, AttributeError):
 
     It is an AttributeError too, so ``hasattr`` and ``getattr(obj, name, default)`` keep working.
     """
+
+
+class DeviceMemoryError(YirageError, MemoryError):
+    """A call whose outputs cannot fit in the memory its device has free (checked before allocating them)."""

@@ -203,6 +203,11 @@ class Backend:
                 f"backend {self.name!r} is unavailable: {avail.reason}"
             )
 
+    def check_process(self) -> None:
+        """Raise, naming the fix, where this backend cannot run in this process although it is available: e.g.
+        a child forked after its parent started threads the backend's runtime needs (work there would block
+        forever). Engines call it before a generation's first step; the default has nothing to check."""
+
     # -- description -----------------------------------------------------
     def device_count(self) -> int:
         return 1 if self.availability().ok else 0

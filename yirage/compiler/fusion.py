@@ -24,6 +24,35 @@ from yirage.graph.kernel_graph import KernelGraph, Node
 from yirage.graph.ops import OPS
 
 
+@dataclass(frozen=True)
+class FusionPolicy:
+    """Which inlinings ``partition`` may make. The default (everything allowed) is the fusion of every compile;
+    the superoptimizer (yirage.compiler.superopt) also tries the others, since the best split depends on the
+    shapes and the backend (a prologue recomputed per tile can cost more than a buffer)."""
+
+    chains: bool = True  # pointwise ops into pointwise consumers
+    prologue: bool = True  # pointwise ops into a row op's rows or a matmul's A operand
+    epilogue: bool = True  # pointwise consumers of a matmul or row op over its whole output
+    rms_scale: bool = True  # an RMSNorm into a matmul as a per-row scale
+
+    @property
+    def name(self) -> str:
+        """"fuse-all", or the inlinings turned off ("no-prologue+no-rms-scale")."""
+        off = [f"no-{f.replace('_', '-')}" for f in ("chains", "prologue", "epilogue", "rms_scale")
+               if not getattr(self, f)]
+        return "+".join(off) or "fuse-all"
+
+    @staticmethod
+    def all() -> list[FusionPolicy]:
+        """Every policy, the default first."""
+        flags = [(a, b, c, d) for a in (True, False) for b in (True, False) for c in (True, False)
+                 for d in (True, False)]
+        return [FusionPolicy(*f) for f in flags]
+
+
+DEFAULT_POLICY = FusionPolicy()
+
+
 @dataclass
 class Group:
     root: int
@@ -70,8 +99,20 @@ def _path_is_multiplicative(graph: KernelGraph, start: int, group: Group, users:
     return False
 
 
-def _can_inline(graph: KernelGraph, n: Node, c: Node, group: Group, users: dict[int, list[int]]) -> str | None:
-    """How ``n`` joins ``c``'s group: "member", "anchor", "rms", or None."""
+def _can_inline(graph: KernelGraph, n: Node, c: Node, group: Group, users: dict[int, list[int]],
+                policy: FusionPolicy = DEFAULT_POLICY) -> str | None:
+    """How ``n`` joins ``c``'s group: "member", "anchor", "rms", or None (``policy`` may forbid each way)."""
+    how = _inline_kind(graph, n, c, group, users)
+    if how == "anchor" and not policy.epilogue or how == "rms" and not policy.rms_scale:
+        return None
+    if how == "member":
+        into_anchor = kind(c) != "pointwise" or group.anchor is not None
+        if into_anchor and not policy.prologue or not into_anchor and not policy.chains:
+            return None
+    return how
+
+
+def _inline_kind(graph: KernelGraph, n: Node, c: Node, group: Group, users: dict[int, list[int]]) -> str | None:
     kn, kc = kind(n), kind(c)
     root = graph.nodes[group.root]
     if kn == "pointwise":
@@ -105,7 +146,7 @@ def _can_inline(graph: KernelGraph, n: Node, c: Node, group: Group, users: dict[
     return None
 
 
-def partition(graph: KernelGraph) -> list[Group]:
+def partition(graph: KernelGraph, policy: FusionPolicy = DEFAULT_POLICY) -> list[Group]:
     """Groups in execution order (by root id: nodes are topologically ordered)."""
     live = live_nodes(graph)
     users = {i: [u for u in us if u in live] for i, us in graph.consumers().items()}
@@ -121,7 +162,7 @@ def partition(graph: KernelGraph) -> list[Group]:
             c = graph.nodes[users[n.id][0]]
             candidate = group_of.get(c.id)
             if candidate is not None:
-                how = _can_inline(graph, n, c, candidate, users)
+                how = _can_inline(graph, n, c, candidate, users, policy)
                 if how is not None:
                     group = candidate
         if group is None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 from yirage.compiler.decompose import DECOMPOSITIONS, clamp, decompose_plan
-from yirage.compiler.fusion import Group, partition
+from yirage.compiler.fusion import DEFAULT_POLICY, FusionPolicy, Group, partition
 from yirage.compiler.kernel_ir import (
     FUNCTIONS,
     Attention,
@@ -30,8 +31,9 @@ _POINTWISE_FN = frozenset(FUNCTIONS) | frozenset(DECOMPOSITIONS)
 
 
 class _Lowerer:
-    def __init__(self, graph: KernelGraph) -> None:
+    def __init__(self, graph: KernelGraph, policy: FusionPolicy = DEFAULT_POLICY) -> None:
         self.graph = graph
+        self.policy = policy
         self.buffers: dict[str, Buffer] = {}
         self.buffer_of: dict[int, str] = {}
         for index, node in enumerate(graph.inputs):
@@ -142,7 +144,7 @@ class _Lowerer:
 
     def plan(self) -> KernelPlan:
         self._kernels: list[Kernel] = []
-        for group in partition(self.graph):
+        for group in partition(self.graph, self.policy):
             self._kernels.append(self.lower(group))
         outputs = []
         for index, node_id in enumerate(self.graph.outputs):
@@ -157,13 +159,16 @@ class _Lowerer:
             else:
                 outputs.append(self.buffer_of[node_id])
         inputs = [f"in{i}" for i in range(len(self.graph.inputs))]
-        return KernelPlan(self.graph.digest, self.buffers, self._kernels, inputs, outputs)
+        digest = self.graph.digest
+        if self.policy != DEFAULT_POLICY:  # another plan of the same graph: its own digest
+            digest = hashlib.sha256(f"{digest} {self.policy.name}".encode()).hexdigest()
+        return KernelPlan(digest, self.buffers, self._kernels, inputs, outputs)
 
 
-def build_plan(graph: KernelGraph) -> KernelPlan:
-    """Fuse and lower ``graph``; it must have at least one output."""
+def build_plan(graph: KernelGraph, policy: FusionPolicy = DEFAULT_POLICY) -> KernelPlan:
+    """Fuse (as ``policy`` allows) and lower ``graph``; it must have at least one output."""
     from yirage.graph.ops import GraphError
 
     if not graph.outputs:
         raise GraphError("the kernel graph has no outputs: call g.mark_output(t) before running or compiling it")
-    return decompose_plan(_Lowerer(graph).plan())
+    return decompose_plan(_Lowerer(graph, policy).plan())

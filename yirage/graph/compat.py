@@ -15,8 +15,6 @@ _RUN = "build the computation with kernel-graph ops and call g(inputs=[...]) (or
 
 #: ``KNGraph`` methods of Mirage (python/mirage/kernel.py) that a KernelGraph does not have.
 GRAPH_HINTS: dict[str, str] = {
-    "superoptimize": "yirage fuses and compiles the graph itself, with no search step: call g(inputs=[...]) "
-                     "directly, or g.compile(backend) to compile ahead of the first call",
     "customized": "yirage has no hand-written threadblock graphs; it generates fused kernels from the ops: " + _RUN,
     "visualize": "print(g) shows every op with its dims and dtype; g.to_json('graph.json') saves the graph",
     "cuda_call": "call g(inputs=[...]); pick the device with yr.new_kernel_graph(backend='cuda') or yr.set_backend",
@@ -37,8 +35,8 @@ GRAPH_HINTS: dict[str, str] = {
 MODULE_HINTS: dict[str, str] = {
     "new_threadblock_graph": "yirage has no hand-written threadblock graphs; it generates fused kernels from "
                              "kernel-graph ops: g = yr.new_kernel_graph(), " + _RUN,
-    "superoptimize": "yirage fuses and compiles a kernel graph itself: g = yr.new_kernel_graph(), then "
-                     "g(inputs=[...]) or g.compile(backend)",
+    "superoptimize": "superoptimize is a method of the graph, as in Mirage: g = yr.new_kernel_graph(), build it, "
+                     "then g.superoptimize() (searches fusion plans on the backend) or g.compile(backend)",
     "set_gpu_device_id": "choose the backend with yr.set_backend('cuda') (or new_kernel_graph(backend=...)); "
                          "yirage runs on its device 0",
     "bypass_compile_errors": "yirage raises every compile error with its cause; catch yr.YirageError to go on",

@@ -348,6 +348,18 @@ class KernelGraph:
     def run(self, inputs: Sequence[Any], backend: Any = None) -> list[Any]:
         return self.compile(backend)(inputs)
 
+    def superoptimize(self, config: str | None = None, backend: Any = None, *, warmup_iters: int = 3,
+                      profile_iters: int = 10, time_budget_s: float = 60.0, use_cached_graphs: bool = True,
+                      **options: Any) -> Any:
+        """Mirage's search: every fusion plan of this graph compiled on ``backend``, checked against a float64
+        oracle, timed on the device; returns the fastest verified one as a callable graph with a ``.report``
+        (yirage.compiler.superopt says how). The winner is cached: a second process does not search again."""
+        from yirage.compiler.superopt import superoptimize
+
+        return superoptimize(self, config=config, backend=backend if backend is not None else self.backend,
+                             warmup_iters=warmup_iters, profile_iters=profile_iters, time_budget_s=time_budget_s,
+                             use_cached_graphs=use_cached_graphs, **options)
+
     def __call__(self, inputs: Sequence[Any] | None = None, *, outputs: Sequence[Tensor] | None = None,
                  backend: Any = None, stream: Any = None) -> list[Any]:
         """Compile (once) and run; Mirage's ``g(inputs=[...], outputs=[O])`` picks marked outputs to return.

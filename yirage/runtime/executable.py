@@ -10,6 +10,7 @@ is reported with the plugin's name instead of reaching the user.
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -17,7 +18,7 @@ from typing import Any
 
 from yirage.backend.base import Backend
 from yirage.compiler.kernel_ir import KernelPlan
-from yirage.errors import BackendError, NotSupportedError, YirageError
+from yirage.errors import BackendError, DeviceMemoryError, NotSupportedError, YirageError
 from yirage.graph.kernel_graph import KernelGraph, contiguous_strides
 
 _grad_warned = False  # the autograd warning is given once per process
@@ -29,6 +30,10 @@ class InputError(YirageError, ValueError):
 
 class BackendOutputError(BackendError, RuntimeError):
     """A backend's compiled ``run`` returned outputs that do not match the graph (a bug in its plugin)."""
+
+
+#: outputs at least this large (bytes) are checked against the device's free memory before each call
+ROOM_CHECK_BYTES = 1 << 28
 
 
 def _extent(dims: Sequence[int], strides: Sequence[int]) -> int:
@@ -62,6 +67,9 @@ class Executable:
             self._checks.append((index, node.label, node.dims, node.dtype.torch, node.dtype.name,
                                  big, tuple(strides[i] for i in big)))
         self._outs = [(torch.Size(n.dims), n.dtype.torch) for n in graph.output_nodes]
+        #: bytes of the outputs a call allocates, when large enough to check against free memory first
+        out_bytes = sum(math.prod(n.dims) * n.dtype.itemsize for n in graph.output_nodes)
+        self._big_outputs = out_bytes if out_bytes >= ROOM_CHECK_BYTES else 0
         self._fast_ok, self._call = _specialize(self, graph)
 
     def _slow(self, inputs: Sequence[Any]) -> list[Any]:
@@ -97,6 +105,12 @@ class Executable:
                 raise InputError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
             if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
                 raise InputError(_subclass_message(what, t))
+            if _functorch_wrapped(t):
+                raise InputError(
+                    f"{what} is wrapped by a torch.func transform (torch.vmap, torch.func.grad, jacrev...): it has "
+                    "no storage of its own, and compiled kernels read raw memory and record no gradients. Call "
+                    "the graph outside the transform, on the whole batch at once (declare the batched shape "
+                    "with new_input)")
             if t.is_meta:
                 raise InputError(f"{what} is a meta tensor: it has a shape but no data; pass a tensor with "
                                  f"real storage on {self._device!r}")
@@ -129,7 +143,24 @@ class Executable:
             _check_memory(what, t)
 
     def __call__(self, inputs: Sequence[Any]) -> list[Any]:
+        if self._big_outputs:
+            self._check_room()
         return self._call(inputs)  # see _specialize: the guarded fast path, else _slow
+
+    def _check_room(self) -> None:
+        """Refuse a call whose outputs alone exceed the device's free memory, before anything is allocated (a
+        broadcast such as (2**17, 1) + (1, 2**17) declares 64 GiB; allocating it would swap or meet the OOM
+        killer). Backends that cannot report their memory are not checked."""
+        try:
+            free = self.backend.memory_info().free
+        except NotSupportedError:  # the backend cannot tell: nothing to compare against
+            return
+        if free is not None and self._big_outputs > free:
+            shapes = ", ".join(str(tuple(dims)) for dims, _ in self._outs)
+            raise DeviceMemoryError(
+                f"the graph's outputs ({shapes}) need {self._big_outputs / 2**30:.1f} GiB, but backend "
+                f"{self.backend.name!r} reports {free / 2**30:.1f} GiB free on its device; check the shapes (a "
+                "broadcast of a column and a row makes their product), or compute it in pieces")
 
     def capturable(self) -> Executable:
         """The same graph through the backend's graph-capturable call path (no host sync or read in a call).
@@ -185,8 +216,9 @@ def _specialize(exe: Executable, graph: KernelGraph) -> tuple[Callable[[Any], bo
     checked tensors, so a caller's list changed by another thread after the check cannot reach it.
 
     Accepted without ``check``: exactly torch.Tensor or nn.Parameter (FakeTensor and other subclasses fail),
-    strided, the declared dtype, shape and strides, no autograd, no sign bit, on the backend's device, with
-    a non-null storage that holds the whole view. Outputs: a list of exactly the declared tensors.
+    strided, the declared dtype, shape and strides, no autograd, no sign bit, on the backend's device, not
+    wrapped by a torch.func transform (vmap, grad: no storage), with a non-null storage that holds the whole
+    view. Outputs: a list of exactly the declared tensors.
     """
     import torch
 
@@ -194,7 +226,9 @@ def _specialize(exe: Executable, graph: KernelGraph) -> tuple[Callable[[Any], bo
     on_device = (lambda v: f"{v}.is_cpu") if device == "cpu" else (lambda v: f"{v}.device.type == DEV")
     env: dict[str, Any] = {"__name__": __name__, "T": torch.Tensor, "P": torch.nn.Parameter, "S": torch.strided,
                            "DEV": device, "run": exe._run, "slow": exe._slow, "bad": exe._bad_outputs,
-                           "MODES": torch._C._len_torch_dispatch_stack}
+                           "MODES": torch._C._len_torch_dispatch_stack,
+                           "WRAPPED": getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor",
+                                              lambda t: False)}
     conds = ["not MODES()"]  # a dispatch mode (FakeTensorMode) would hand run() fake outputs to write into
     for k, node in enumerate(graph.inputs):
         t, dims = f"t{k}", node.dims
@@ -209,7 +243,7 @@ def _specialize(exe: Executable, graph: KernelGraph) -> tuple[Callable[[Any], bo
         need = (_extent(dims, strides) + 1) * node.dtype.itemsize  # bytes from the storage offset on
         conds.append(" and ".join([
             f"(type({t}) is T or type({t}) is P)", f"{t}.layout is S", f"{t}.dtype is D{k}", f"{t}.shape == {dims!r}",
-            f"not {t}.requires_grad", f"not {t}.is_neg()", *layout, on_device(t),
+            f"not {t}.requires_grad", f"not {t}.is_neg()", *layout, on_device(t), f"not WRAPPED({t})",
             f"{t}.untyped_storage().nbytes() >= {t}.storage_offset() * {node.dtype.itemsize} + {need}",
             f"{t}.data_ptr()",
         ]))
@@ -268,6 +302,15 @@ def _subclass_message(what: str, t: Any) -> str:
     return (f"{what} is a {name}, a torch.Tensor subclass: compiled graphs read raw memory and would skip its "
             "__torch_function__/__torch_dispatch__ logic, so only plain tensors and nn.Parameter are accepted; "
             "pass t.as_subclass(torch.Tensor) if it holds its own data, or a plain copy")
+
+
+def _functorch_wrapped(t: Any) -> bool:
+    """A tensor torch.vmap or torch.func's autodiff wrapped (a BatchedTensor or TensorWrapper: no storage)."""
+    import torch
+
+    functorch = getattr(torch._C, "_functorch", None)
+    wrapped = getattr(functorch, "is_functorch_wrapped_tensor", None)
+    return bool(wrapped is not None and wrapped(t))
 
 
 def _check_memory(what: str, t: Any) -> None:

@@ -58,6 +58,13 @@ class CPUBackend(yirage.Backend):
     persistent_weight_formats = frozenset({"float32", "bfloat16", "float16", "q8_0", "q4_0"})
     persistent_kind = PERSISTENT  # worker and scheduler threads (pk_runtime)
 
+    def check_process(self) -> None:
+        """A child forked after the parent ran OpenMP-parallel kernels (numba's and torch's threads) cannot run
+        them again: ForkError with the fixes (threads.py), before torch's prefill would hang in the child."""
+        from yirage_backend_cpu.threads import check_fork
+
+        check_fork()
+
     def persistent_runtime(self, program: Any, config: Any) -> PersistentRuntime:
         from yirage_backend_cpu.pk_runtime import CPUPersistentRuntime
 

@@ -14,6 +14,7 @@ import yirage
 from yirage.backend.host import host_memory_info
 from yirage.backend.probes import distribution_version, module_installed
 from yirage.backend.runtime_contract import LAUNCHED, PersistentRuntime
+from yirage_backend_opencl import fork
 from yirage_backend_opencl.platforms import all_devices as _devices
 from yirage_backend_opencl.platforms import type_name as _type_name
 
@@ -107,16 +108,19 @@ class OpenCLBackend(yirage.Backend):
     kernel_dtypes = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
 
     def render(self, plan: Any) -> str:
+        fork.check()
         from yirage_backend_opencl.compile import render_source
 
         return render_source(plan)
 
     def build(self, source: str, workdir: Path) -> Path:
+        fork.check()
         from yirage_backend_opencl.compile import build
 
         return build(source, workdir)
 
     def load(self, artifact: Any) -> Any:
+        fork.check()
         from yirage_backend_opencl.compile import load
 
         return load(artifact)
@@ -125,6 +129,7 @@ class OpenCLBackend(yirage.Backend):
         """The device (platform, name, driver) the program is built for."""
         from yirage_backend_opencl.compile import target
 
+        fork.check()
         return target()
 
     persistent_kind = LAUNCHED  # one in-order queue per step (pk_runtime: why not a persistent kernel)
@@ -133,7 +138,12 @@ class OpenCLBackend(yirage.Backend):
         """One decode step as enqueued kernels on the selected device (why not a persistent kernel: pk_runtime)."""
         from yirage_backend_opencl.pk_runtime import OpenCLPersistentRuntime
 
+        fork.check()
         return OpenCLPersistentRuntime(program, config)
+
+    def check_process(self) -> None:
+        """OpenCL runtimes do not survive fork(): refuse in a child forked after OpenCL was loaded (fork.py)."""
+        fork.check()
 
 
 @yirage.hookimpl

@@ -37,6 +37,7 @@ from yirage.compiler.cache import write_private
 from yirage.compiler.kernel_ir import KernelPlan
 from yirage.compiler.stages import Artifact
 from yirage.errors import BackendError
+from yirage_backend_opencl import fork
 from yirage_backend_opencl.devices import (
     DeviceSelectionError,
     context,
@@ -144,6 +145,7 @@ class OpenCLProgram:
     def __call__(self, inputs: Any) -> list[Any]:
         import torch
 
+        fork.check()  # a program built before fork() would block forever in the child's enqueue
         tensors: dict[str, Any] = {}
         with self.lock:
             if self.pending:  # an interrupted call may still run on the device: it uses our scratch

@@ -50,6 +50,7 @@ from yirage.persistent.cstyle import (
 from yirage.persistent.guard import Snapshot, check_tensor, token_out_of_range
 from yirage.persistent.program import PersistentProgram
 from yirage.persistent.runtime import register_task_bodies
+from yirage_backend_opencl import fork
 from yirage_backend_opencl.compile import BUILD_OPTIONS, OpenCLBuildError
 from yirage_backend_opencl.devices import context, device
 
@@ -187,6 +188,7 @@ class OpenCLPersistentRuntime:
 
     def run(self, max_new_tokens: int | None = None) -> int:
         """Decode (see PersistentKernel.__call__); the kernel's lock serializes calls."""
+        fork.check()  # a runtime built before fork() would block forever in the child's enqueue
         program = self.program
         self.snapshot.verify()
         limit = program.max_seq_length if max_new_tokens is None else int(max_new_tokens)
