@@ -6,8 +6,9 @@ rest needs a GPU; CI runs that part. With a GPU:
 
 1. in parallel (nothing here is timed), in two waves: the compile-only part, the conformance kit on ``cuda`` and
    on ``triton`` (pytest-xdist), the LLM tests on the GPU backends and ``auto``'s choice; then the GPU-only test
-   files, ``backend_manager.py test cuda`` (on the compile cache the first wave filled) and the LLM tests on the
-   cuda megakernel (``YIRAGE_CUDA_PK_RUNTIME=megakernel``);
+   files, ``backend_manager.py test cuda`` (on the compile cache the first wave filled), the LLM tests on the
+   cuda megakernel (``YIRAGE_CUDA_PK_RUNTIME=megakernel``) and a short megakernel decode under compute-sanitizer's
+   memcheck and racecheck (scripts/sanitize_decode.py; a sanitizer part that runs out of time does not fail);
 2. alone, timed: decode of a SmolLM2-shaped random model on each GPU backend (and the cuda megakernel, in its own
    part) beside Hugging Face eager on the same GPU, greedy tokens compared (benchmark/device_decode.py), and
    Mirage-style kernel graphs against torch eager (benchmark/device_graphs.py).
@@ -63,6 +64,9 @@ class Part:
         (pytest-xdist workers included) is killed, so a hung part cannot hold the GPU for the parts after it."""
         path = logs / f"{self.name}.log"
         self.log = str(path.relative_to(logs.parent))
+        if self.status.startswith("skipped"):  # decided when the part was made (a tool that is not installed)
+            path.write_text(self.status + "\n")
+            return self
         left = float("inf") if deadline is None else deadline - time.monotonic()
         limit = min(self.timeout, left)
         if left < 5:
@@ -149,8 +153,24 @@ def parallel_parts(cores: int) -> list[list[Part]]:
         [Part("gpu-tests", pytest(*xdist(max(2, cores // 4)), "--dist", "loadfile", *GPU_TESTS), 420),
          Part("backend-manager-test-cuda", [PY, "tools/backend_manager.py", "test", "cuda"], 300),
          Part("llm-cuda-megakernel", pytest(*xdist(2), "--dist", "loadfile", "tests/test_persistent.py", "-k", "cuda"),
-              240, env={MEGAKERNEL[0]: MEGAKERNEL[1]})],
+              240, env={MEGAKERNEL[0]: MEGAKERNEL[1]}),
+         *sanitizer_parts()],
     ]
+
+
+def sanitizer_parts() -> list[Part]:
+    """A short decode on the cuda megakernel under compute-sanitizer's memcheck and racecheck (where it is
+    installed: a part says so when it is not)."""
+    tool = shutil.which("compute-sanitizer")
+    parts = []
+    for check in ("memcheck", "racecheck"):
+        command = [tool or "compute-sanitizer", "--tool", check, "--error-exitcode", "1", PY,
+                   "scripts/sanitize_decode.py", "--backend", "cuda"]
+        part = Part(f"sanitize-{check}-megakernel", command, 180, env={MEGAKERNEL[0]: MEGAKERNEL[1]})
+        if tool is None:
+            part.status = "skipped: compute-sanitizer is not on PATH"
+        parts.append(part)
+    return parts
 
 
 AUTO_CHOICE = """
@@ -235,7 +255,13 @@ def main() -> int:
                 "on a machine with one.")
     header = f"yirage gpu-check: {what}; {time.monotonic() - started:.0f} s in all; logs in {out}"
     print(write_summary(out, header, parts, note))
-    return 0 if all(p.status == "ok" for p in parts) else 1
+    return 0 if all(map(passed, parts)) else 1
+
+
+def passed(part: Part) -> bool:
+    """ok; or a sanitizer part that could not run (not installed) or ran out of time (slow is never a failure)."""
+    sanitizer = part.name.startswith("sanitize-")
+    return part.status == "ok" or sanitizer and part.status.startswith(("skipped", "TIMEOUT"))
 
 
 if __name__ == "__main__":
