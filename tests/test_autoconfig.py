@@ -304,8 +304,11 @@ def test_a_corrupted_applied_file_stops_the_kernel_naming_path_and_fix(private_s
 
 
 @needs_cpu
-def test_optimize_apply_then_new_processes_use_the_saved_config(tmp_path) -> None:
-    import transformers
+def test_optimize_apply_then_new_processes_use_the_saved_config(tmp_path, tmp_path_factory) -> None:
+    """optimize --apply saves a configuration that new processes' kernels and engines then run with, and the engine
+    so configured decodes llm_oracle's diverse llama-gqa like transformers (logits and tokens, 8 steps)."""
+    pytest.importorskip("transformers")
+    from llm_oracle import Reference, assert_decode_matches, zoo_factory
 
     conf = tmp_path / "conf"
     out = run_python("", conf, "tools/yirage_backend_manager.py", "optimize", "--backend", "cpu", "--apply", "--json",
@@ -319,16 +322,10 @@ def test_optimize_apply_then_new_processes_use_the_saved_config(tmp_path) -> Non
     stored["configs"]["cpu"]["settings"]["num_local_schedulers"]["value"] = 1
     (conf / "autoconfig.json").write_text(json.dumps(stored))
 
-    torch.manual_seed(3)
-    model_dir = tmp_path / "model"
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False)).eval()
-    hf.save_pretrained(model_dir, safe_serialization=True)
-    prompt = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)[0, 5:].tolist()
+    zoo, steps = zoo_factory(tmp_path_factory)("llama-gqa"), 8
+    ref = zoo.reference
+    want = Reference(ref.ids, ref.tokens[:, :steps], ref.logits[:, :steps])
+    decoded = tmp_path / "decoded.pt"
     child = run_python(f"""
         import json, torch, yirage as yr
         from yirage.autoconfig_sweep import TINY
@@ -336,14 +333,15 @@ def test_optimize_apply_then_new_processes_use_the_saved_config(tmp_path) -> Non
         pk = model.build_decoder(torch.tensor([0]), torch.zeros(1, 12, dtype=torch.int64), backend="cpu", tasks=4)
         pk_explicit = model.build_decoder(torch.tensor([0]), torch.zeros(1, 12, dtype=torch.int64), backend="cpu",
                                           tasks=4, num_workers=2, num_local_schedulers=0)
-        engine = yr.InferEngine({str(model_dir)!r}, backend="cpu")
-        res = engine.generate({prompt.tolist()!r}, yr.GenerationConfig(max_new_tokens=4, eos_token_id=()))
+        engine = yr.InferEngine({str(zoo.path)!r}, backend="cpu")
+        res = engine.generate(torch.tensor({ref.ids.tolist()!r}),
+                              yr.GenerationConfig(max_new_tokens={steps}, eos_token_id=(), output_logits=True))
+        torch.save((res.tokens, res.logits), {str(decoded)!r})
         (decoder,) = engine._decoders.values()
         print(json.dumps({{"pk": [pk.runtime.workers, pk.runtime.schedulers, pk.config.sources()],
                           "explicit": [pk_explicit.runtime.workers, pk_explicit.runtime.schedulers,
                                        pk_explicit.config.sources()],
-                          "engine": [decoder.runtime.workers, decoder.runtime.schedulers, decoder.config.sources()],
-                          "tokens": res.tokens[0].tolist()}}))
+                          "engine": [decoder.runtime.workers, decoder.runtime.schedulers, decoder.config.sources()]}}))
     """, conf)
     assert child.returncode == 0, child.stderr[-3000:]
     got = json.loads(child.stdout.strip().splitlines()[-1])
@@ -351,7 +349,8 @@ def test_optimize_apply_then_new_processes_use_the_saved_config(tmp_path) -> Non
     assert got["pk"] == [1, 1, saved] and got["engine"] == [1, 1, saved]
     assert got["explicit"] == [2, 0, {"num_workers": "explicit", "num_local_schedulers": "explicit",
                                       "tasks_per_layer": "derived"}]
-    assert got["tokens"] == want  # the saved configuration decodes what transformers decodes
+    tokens, logits = torch.load(decoded)  # the saved configuration decodes what transformers decodes
+    assert_decode_matches(want, tokens, logits, label=f"{zoo.label}, saved config (1 worker, 1 scheduler)")
 
 
 # -- the command line ------------------------------------------------------------------------------------------

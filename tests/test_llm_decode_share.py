@@ -28,6 +28,26 @@ def test_each_run_is_measured_against_the_faster_probe_around_it() -> None:
     assert (stats["a"]["bandwidth_min"], stats["a"]["bandwidth_max"]) == (20.0, 40.0)
 
 
-def test_the_probe_reads_a_plausible_bandwidth() -> None:
-    gb_s = llm_decode.probe_bandwidth()
-    assert 0.5 < gb_s < 2000, f"{gb_s} GB/s is not a memory read rate"
+class Durations:
+    """A fake ``time.perf_counter`` whose successive (start, stop) reads are ``durations`` seconds apart."""
+
+    def __init__(self, durations: list[float]) -> None:
+        self.reads = iter(t for i, d in enumerate(durations) for t in (10.0 * i, 10.0 * i + d))
+
+    def perf_counter(self) -> float:
+        return next(self.reads)
+
+
+def test_the_probe_reports_its_buffer_bytes_over_its_fastest_read(monkeypatch) -> None:
+    """The probe's GB/s is 256 MiB (its buffer, 4 bytes a float32) over the fastest of its 6 timed reads (3 per
+    method), in 1e9 bytes per second: on a fake clock with known read times, exactly that (a count of values for
+    bytes, the slowest read, the mean or MiB units fail); and its numba stream sums every value of a buffer."""
+    import numpy as np
+    import torch
+
+    durations = [0.05, 0.04, 0.08, 0.03, 0.02, 0.06]
+    monkeypatch.setattr(llm_decode, "time", Durations(durations))
+    assert llm_decode.probe_bandwidth() == pytest.approx(64 * 2**20 * 4 / min(durations) / 1e9, rel=1e-9)
+    threads = max(1, torch.get_num_threads())
+    n = 2**16 * threads  # the probe's chunks are n // threads values long: all of them read
+    assert llm_decode._prange_sum(np.arange(n, dtype=np.float32) % 7, threads) == float(sum(i % 7 for i in range(n)))

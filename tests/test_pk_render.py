@@ -3,6 +3,7 @@
 Oracles: the rendered source's own text parsed independently of the
 renderer's tables (structure), NVRTC and ptxas (CUDA, no GPU needed), torch's
 top-k / softmax over the logits each sampled token was drawn from (sampling),
+float64 torch attention (the rendered OpenCL GQA attention, run on the device)
 and transformers (the OpenCL device-copy mode). The greedy/logit comparisons
 with transformers on every backend live in test_persistent.py, the breaks
 they must catch in test_llm_ablation.py.
@@ -162,3 +163,58 @@ def test_opencl_gpu_layout_and_device_copy_mode_match_transformers(zoo, monkeypa
                                                                    output_logits=True))
     assert made and not made[0].zero_copy and "red[" in made[0].rendered.source  # the work-group GEMV
     assert_decode_matches(model.reference, result.tokens, result.logits, label=f"{model.label}, device-copy mode")
+
+
+def rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb on one head: x * cos + rotate_half(x) * sin (float64)."""
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., h:], x[..., :h]], -1) * sin
+
+
+def test_rendered_opencl_attention_reads_each_query_heads_own_kv_head() -> None:
+    """The rendered OpenCL attention, run on a tiny GQA program (2 rows at positions 3 and 5, 2 KV heads of 3 query
+    heads each, caches pre-filled with different values per KV head), equals float64 torch attention: query head h
+    reads KV head h // 3 of its own row, at every position up to its step, new K (RoPE'd) and V included. A K/V
+    offset that reads another KV head (``kb`` with g = 0 or g + 1) or another row fails here."""
+    if not yr.is_backend_available("opencl"):
+        pytest.skip("the opencl backend is not available here")
+    batch, kv, group, d, seq, hidden, vocab = 2, 2, 3, 16, 8, 32, 40
+    qkv_cols = kv * (group + 2) * d
+    gen = torch.Generator().manual_seed(31)
+    print("seed 31")
+    step = torch.tensor([3, 5])
+    tokens = torch.randint(0, vocab, (batch, seq), generator=gen)
+    k0, v0 = torch.randn(batch, kv, seq, d, generator=gen), torch.randn(batch, kv, seq, d, generator=gen)
+    cos, sin = torch.randn(seq, d, generator=gen), torch.randn(seq, d, generator=gen)
+    pk = yr.PersistentKernel(max_seq_length=seq, meta_tensors=[step, tokens], backend="opencl")
+    att = pk.attach_input
+    x = pk.new_tensor((batch, hidden), name="x")
+    pk.embed_layer(pk.tokens_tensor, att(torch.randn(vocab, hidden, generator=gen), "embed"), x)
+    qkv = pk.new_tensor((batch, qkv_cols), name="qkv")
+    pk.rmsnorm_linear_layer(x, att(torch.ones(hidden), "ln"), att(torch.randn(qkv_cols, hidden, generator=gen) * 0.5,
+                                                                    "wqkv"), qkv)
+    out = pk.new_tensor((batch, kv * group * d), name="attn")
+    pk.attention_layer(qkv, att(k0.clone(), "kc"), att(v0.clone(), "vc"), cos_pos_embed=att(cos, "cos"),
+                       sin_pos_embed=att(sin, "sin"), output=out)
+    logits = pk.new_tensor((batch, vocab), name="logits")
+    pk.rmsnorm_linear_layer(out, att(torch.ones(kv * group * d), "ln2"),
+                            att(torch.randn(vocab, kv * group * d, generator=gen), "head"), logits)
+    pk.argmax_layer(logits, pk.new_tensor((batch, 1), dtype=torch.int64, name="next"))
+    pk.compile()
+    pos = step.clone()
+    assert pk(1) == 1
+    q_k_v = pk.read("qkv").double().view(batch, kv, group + 2, d)
+    got = pk.read("attn").double().view(batch, kv, group, d)
+    want = torch.empty_like(got)
+    for b in range(batch):
+        p = int(pos[b])
+        keys, values = k0[b].double().clone(), v0[b].double().clone()
+        keys[:, p] = rope64(q_k_v[b, :, group], cos[p].double(), sin[p].double())
+        values[:, p] = q_k_v[b, :, group + 1]
+        for g in range(kv):
+            q = rope64(q_k_v[b, g, :group], cos[p].double(), sin[p].double())  # (group, d)
+            weights = torch.softmax(q @ keys[g, :p + 1].t() / d ** 0.5, -1)
+            want[b, g] = weights @ values[g, :p + 1]
+        assert torch.allclose(pk.read("kc")[b, :, p].double(), keys[:, p], rtol=1e-5, atol=1e-5), f"row {b} new K"
+    err = (got - want).abs().amax(-1)  # (batch, kv, group)
+    assert bool((err < 1e-4).all()), f"max |attention - float64| per (row, kv head, query head): {err.tolist()}"

@@ -167,6 +167,29 @@ def test_cpu_groups_keep_torch_results_for_nonfinite_x(fmt) -> None:
     assert torch.equal(ours[torch.isinf(ref)], ref[torch.isinf(ref)])
 
 
+@pytest.mark.parametrize(("fmt", "groups"), LAYOUTS, ids=("q8_0", "q4_0", "q8_0-groups", "q4_0-groups"))
+def test_cpu_quant_float_fallback_keeps_the_finite_rows_of_a_mixed_batch(fmt, groups) -> None:
+    """One NaN in batch row 1 sends the whole batch down the float32 path (x cannot be scaled to int16). Row 0,
+    finite, must still be float64's x @ W^T + bias + res on the dequantized blocks (a wrong scale or a lost epilogue
+    on that path fails here; the all-non-finite test above compares no finite value), and row 1 is NaN everywhere,
+    as in torch."""
+    need_cpu()
+    gen = torch.Generator().manual_seed(SEED + 7)
+    print(f"seed {SEED + 7}")
+    k = 96
+    w = quantize(torch.randn(24, k, generator=gen), fmt)
+    x = torch.randn(2, k, generator=gen)
+    x[1, 50] = float("nan")
+    bias, res = torch.randn(24, generator=gen), torch.randn(2, 24, generator=gen)
+    ours = quant_kernel_rows(fmt, w, x, bias, res, groups)
+    dense = w.dequantize().double()
+    ref = x.double() @ dense.t() + bias.double() + res.double()
+    assert bool(torch.isnan(ref[1]).all()) and bool(torch.isnan(ours[1]).all())
+    bound = 1e-5 * (x[0].double().abs() @ dense.abs().t() + bias.abs() + res[0].abs())  # float32 sums, no int16
+    err = (ours[0].double() - ref[0]).abs()
+    assert bool((err <= bound).all()), f"finite row: max error {float(err.max()):.3g}, bound {float(bound.max()):.3g}"
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cpu_groups_dequantize_any_row_and_columns(fmt) -> None:
     """The embed lookup reads the repacked blocks too (tied embeddings): every row, column ranges across blocks."""

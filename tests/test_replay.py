@@ -78,8 +78,33 @@ def counters(stats: dict) -> dict:
     return {k: stats[k] for k in names}
 
 
-def test_graph_stats_match_a_sequence_of_shapes_and_fusion_toggles() -> None:
-    builder = Builder()
+class Clock:
+    """A fake ``time.perf_counter`` for the replay engine: each read ticks 1 s; ``advance`` adds more."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_graph_stats_match_a_sequence_of_shapes_and_fusion_toggles(monkeypatch) -> None:
+    """Hits, misses, recordings and fusion counters of a known call sequence, exactly; the times too, on a fake
+    clock: each graph build (a miss's recording) takes 100 s, each clock read ticks 1 s, so planning_seconds is
+    101 s per miss and compute_seconds 1 s per call (swapped, overwritten or unit-scaled times fail)."""
+    clock = Clock()
+    monkeypatch.setattr("yirage.replay.engine.time", clock)
+
+    class TimedBuilder(Builder):
+        def __call__(self, *args: torch.Tensor) -> yr.KernelGraph:
+            clock.advance(100.0)
+            return super().__call__(*args)
+
+    builder = TimedBuilder()
     engine = FusedInferEngine(builder, backend="cpu", warmup_iterations=2)
     small, big, wide = inputs(2, 0), inputs(4, 1), inputs(2, 2, torch.float64)
     calls = [small, small, big]  # miss (records), hit, miss (records)
@@ -101,7 +126,8 @@ def test_graph_stats_match_a_sequence_of_shapes_and_fusion_toggles() -> None:
     assert shapes == [("in0[2,8]:float32", True, "fusion"), ("in0[4,8]:float32", True, "fusion"),
                       ("in0[2,8]:float32", False, "eager"), ("in0[2,8]:float64", True, "fusion")]
     assert all("(cpu)" in key for key in modes)  # the backend is part of the key
-    assert stats["planning_seconds"] > 0 and stats["compute_seconds"] > 0 and stats["fallback_reasons"] == {}
+    assert stats["planning_seconds"] == 4 * 101.0 and stats["compute_seconds"] == 7 * 1.0
+    assert stats["fallback_reasons"] == {}
 
 
 def test_replayed_outputs_belong_to_the_caller_and_any_layout_is_copied_in() -> None:
