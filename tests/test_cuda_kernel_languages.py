@@ -295,7 +295,7 @@ sys.path.insert(0, {tests!r})
 from test_cuda_launch import FakeDriver, mixed_graph, mixed_inputs
 from test_cuda_kernel_languages import mixed_launcher
 from yirage.compiler.lower import build_plan
-from yirage.testing.magnitude import graph_oracle
+from yirage.reference.magnitude import graph_oracle
 from yirage.testing.oracle import assert_close
 from yirage_backend_cuda import CUDABackend
 from yirage_backend_cuda.mixed import TritonRunner, split_source

@@ -157,7 +157,7 @@ def test_kept_composites_decomposed_give_the_same_bits_as_their_helpers(backend:
 
 def test_a_composites_error_scale_comes_from_its_definition() -> None:
     """The float64 oracle's error scale of a composite graph op needs no rule of its own (magnitude.py)."""
-    from yirage.testing.magnitude import graph_oracle
+    from yirage.reference.magnitude import graph_oracle
     from yirage.testing.oracle import assert_matches_reference
 
     g = yr.new_kernel_graph()

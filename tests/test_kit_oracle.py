@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import yirage as yr
+from yirage.reference.magnitude import graph_oracle
 from yirage.testing import conformance, extremes
-from yirage.testing.magnitude import graph_oracle
 from yirage.testing.oracle import (
     DTYPE_TOLERANCE,
     assert_close,

@@ -40,7 +40,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("yirage.reference",),  # the oracle: graph runner, reference backend, reference PersistentKernel runtime
     ("yirage.models",),
     ("yirage.distributed",),  # tensor parallelism over torch.distributed: world, sharding, collectives
-    ("yirage.engine", "yirage.bench", "yirage.autoconfig_sweep"),  # autoconfig_sweep: the measured sweep
+    # autoconfig_sweep: the measured sweep; superopt: g.superoptimize() (compiles, verifies with the oracle, times)
+    ("yirage.engine", "yirage.bench", "yirage.autoconfig_sweep", "yirage.superopt"),
     ("yirage.replay",),  # FusedInferEngine: records and replays plans over models (engine) and kernel graphs
     ("yirage.accuracy",),  # accuracy dump and compare: runs models (engine) and kernel graphs
     ("yirage",),  # the public API (yirage/__init__.py only: ``import yirage as yr``)

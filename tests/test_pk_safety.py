@@ -26,6 +26,7 @@ from yirage.models.config import ModelError
 from yirage.persistent.layers import LayerError
 
 transformers = pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).parent))  # child processes import this module as tests.test_pk_safety
 from llm_oracle import distinct_per_row, zoo_factory  # noqa: E402 - needs transformers, checked just above
 
 needs_cpu = pytest.mark.skipif(not yr.is_backend_available("cpu"), reason="no cpu backend")

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import yirage as yr
-from yirage.compiler import superopt
+from yirage import superopt
 from yirage.compiler.fusion import DEFAULT_POLICY
 
 
@@ -90,7 +90,7 @@ def test_a_second_process_reads_the_winner_from_the_cache_and_a_damaged_entry_is
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from yirage.compiler import superopt
+        from yirage import superopt
         from test_superoptimize import mlp_graph
         superopt._candidates = lambda *a: (_ for _ in ()).throw(AssertionError("searched again"))
         best = mlp_graph().superoptimize()

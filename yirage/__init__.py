@@ -43,6 +43,7 @@ from yirage.quant import QuantizedTensor, quantize
 from yirage.reference import backend as _reference_backend  # noqa: F401 - registers the built-in oracle plugin
 from yirage.reference.graph import run_reference
 from yirage.runtime.graphs import new_kernel_graph  # also installs the compiler behind g.compile() and g(...)
+from yirage.superopt import superoptimize as _superoptimize  # noqa: F401 - installs g.superoptimize()
 
 __version__ = "0.1.0"
 

@@ -27,7 +27,7 @@ from yirage.graph.ops import OPS
 @dataclass(frozen=True)
 class FusionPolicy:
     """Which inlinings ``partition`` may make. The default (everything allowed) is the fusion of every compile;
-    the superoptimizer (yirage.compiler.superopt) also tries the others, since the best split depends on the
+    the superoptimizer (yirage.superopt) also tries the others, since the best split depends on the
     shapes and the backend (a prologue recomputed per tile can cost more than a buffer)."""
 
     chains: bool = True  # pointwise ops into pointwise consumers

@@ -26,6 +26,17 @@ from yirage.graph.serialize import FORMAT_VERSION, check_document, check_node, r
 _compiler: Callable[[KernelGraph, Any], Any] | None = None
 
 
+_superoptimizer: Callable[..., Any] | None = None
+
+
+def install_superoptimizer(superoptimize: Callable[..., Any]) -> None:
+    """Set what ``KernelGraph.superoptimize`` calls (``yirage.superopt`` installs itself: it sits layers above)."""
+    global _superoptimizer
+    if not callable(superoptimize):
+        raise TypeError(f"install_superoptimizer needs a function, got {superoptimize!r}")
+    _superoptimizer = superoptimize
+
+
 def install_compiler(compile_graph: Callable[[KernelGraph, Any], Any]) -> None:
     """Let ``g.compile()``/``g(...)`` reach the runtime layer, which calls this when it is imported."""
     global _compiler
@@ -353,10 +364,13 @@ class KernelGraph:
                       **options: Any) -> Any:
         """Mirage's search: every fusion plan of this graph compiled on ``backend``, checked against a float64
         oracle, timed on the device; returns the fastest verified one as a callable graph with a ``.report``
-        (yirage.compiler.superopt says how). The winner is cached: a second process does not search again."""
-        from yirage.compiler.superopt import superoptimize
+        (yirage.superopt says how). The winner is cached: a second process does not search again."""
+        if _superoptimizer is None:
+            from yirage.errors import YirageError
 
-        return superoptimize(self, config=config, backend=backend if backend is not None else self.backend,
+            raise YirageError("KernelGraph.superoptimize needs yirage.superopt, which installs the search when it is "
+                              "imported: import yirage before superoptimizing a graph")
+        return _superoptimizer(self, config=config, backend=backend if backend is not None else self.backend,
                              warmup_iters=warmup_iters, profile_iters=profile_iters, time_budget_s=time_budget_s,
                              use_cached_graphs=use_cached_graphs, **options)
 

@@ -134,7 +134,7 @@ def _scale(op: str, a: dict[str, Any], vals: list[Any], scales: list[Any], out: 
         return _attention_scale(*vals[:3], *scales[:3], lengths, a["scale"])
     if op in COMPOSITES:
         return _composite_scale(op, vals, scales)
-    raise NotImplementedError(f"no error-scale rule for op {op!r}: add one to yirage.testing.magnitude._scale")
+    raise NotImplementedError(f"no error-scale rule for op {op!r}: add one to yirage.reference.magnitude._scale")
 
 
 def graph_oracle(graph: KernelGraph, inputs: Sequence[Any]) -> tuple[list[Any], list[Any | None]]:

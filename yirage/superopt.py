@@ -31,11 +31,16 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from yirage.backend.selection import current_backend, resolve
 from yirage.compiler.cache import cache_root, private_dir, private_root, write_private
 from yirage.compiler.fusion import DEFAULT_POLICY, FusionPolicy
 from yirage.compiler.lower import build_plan
 from yirage.errors import YirageError
-from yirage.graph.kernel_graph import KernelGraph
+from yirage.graph.kernel_graph import KernelGraph, install_superoptimizer
+from yirage.reference.magnitude import graph_oracle
+from yirage.reference.verify import DTYPE_TOLERANCE, assert_same_floats, random_inputs
+from yirage.runtime.executable import Executable
+from yirage.runtime.graphs import graph_dtypes
 
 logger = logging.getLogger("yirage.superopt")
 
@@ -111,9 +116,6 @@ def superoptimize(graph: KernelGraph, *, config: str | None = None, backend: Any
                   profile_iters: int = 10, rounds: int = 5, time_budget_s: float = 60.0,
                   use_cached_graphs: bool = True, seed: int = 0) -> Superoptimized:
     """Search ``graph``'s fusion plans on ``backend`` (module docstring); return the fastest verified one."""
-    from yirage.backend.selection import current_backend, resolve
-    from yirage.runtime.graphs import graph_dtypes
-
     if config not in CONFIGS:
         raise SuperoptimizeError(f"config={config!r}: use one of {', '.join(map(repr, CONFIGS))}")
     for name, value in (("warmup_iters", warmup_iters), ("profile_iters", profile_iters), ("rounds", rounds)):
@@ -184,8 +186,6 @@ def _candidates(graph: KernelGraph, report: Report) -> list[tuple[FusionPolicy, 
 
 
 def _compile(graph: KernelGraph, backend: Any, policy: FusionPolicy, plan: Any = None) -> Any:
-    from yirage.runtime.executable import Executable
-
     plan = build_plan(graph, policy) if plan is None else plan
     start = time.perf_counter()
     run = backend.compile(plan, graph)
@@ -193,17 +193,17 @@ def _compile(graph: KernelGraph, backend: Any, policy: FusionPolicy, plan: Any =
 
 
 def _inputs(graph: KernelGraph, backend: Any, seed: int) -> list[Any]:
-    from yirage.testing.oracle import on_backend, random_inputs
+    """Seeded inputs made on the CPU (valid ids and lengths), moved to the backend's device once."""
+    import torch
 
-    return on_backend(random_inputs(graph, seed=seed), backend)
+    device = torch.device(backend.torch_device)
+    return [t.to(device) for t in random_inputs(graph, seed=seed)]
 
 
 def _verify(graph: KernelGraph, exe: Any, inputs: list[Any]) -> None:
     """Every output against the graph evaluated in float64; AssertionError names the first difference (raised
     explicitly: ``python -O`` does not turn the check off)."""
     import torch
-
-    from yirage.testing.oracle import DTYPE_TOLERANCE, assert_same_floats, graph_oracle
 
     outs = [o.cpu() for o in exe(inputs)]
     refs, scales = graph_oracle(graph, [t.cpu() for t in inputs])
@@ -307,3 +307,6 @@ def _store(key: str, policy: FusionPolicy, report: Report) -> None:
     doc = {"version": SEARCH_VERSION, "key": key, "policy": asdict(policy), "winner": policy.name,
            "trials": [asdict(t) for t in report.trials]}
     write_private(_entry(key), json.dumps(doc, indent=1) + "\n")
+
+
+install_superoptimizer(superoptimize)
