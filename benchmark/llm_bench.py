@@ -126,6 +126,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.output is not None and not args.output.parent.is_dir():
         parser.error(f"--output {str(args.output)!r}: directory {str(args.output.parent)!r} does not exist; "
                      "create it first")
+    problem = None if args.output is None else unwritable(args.output)
+    if problem:
+        parser.error(f"--output {str(args.output)!r} {problem}; pass a writable file path (checked before the "
+                     "cases run, so no run is lost)")
     if args.model_path is not None:
         if not Path(args.model_path).expanduser().exists():
             parser.error(f"--model-path {args.model_path!r} does not exist; pass a Hugging Face model directory or "
@@ -133,6 +137,23 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         given = [flag for key, flag in SIZE_FLAGS.items() if getattr(args, key) is not None]
         if given:
             parser.error(f"{', '.join(given)} only size a --make-random-model model; drop them with --model-path")
+
+
+def unwritable(path: Path) -> str | None:
+    """Why the results cannot be written to ``path``, or None. Why a probe: permissions alone miss /proc, read-only
+    mounts and root's rights, and the cases can run for hours before the file is written. A file the probe
+    creates is removed again."""
+    if path.is_dir():
+        return "is a directory"
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        return f"cannot be written ({type(exc).__name__}: {exc.strerror or exc})"
+    if not existed:
+        path.unlink(missing_ok=True)
+    return None
 
 
 def make_random_model(preset: str, overrides: dict[str, int | None], workdir: Path) -> Path:
@@ -385,7 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     add_ratios(rows, ours, {p: RATIO_SUFFIX[p] for p in args.peers})
     document = {"schema": 1, "metadata": meta, "cases": [asdict(c) for c in cases], "results": rows}
     if args.output is not None:
-        write_results(args.output, document)
+        try:
+            write_results(args.output, document)
+        except OSError as exc:  # it was writable at the start; the disk filled or the path changed since
+            print(format_table(document))
+            parser.error(f"--output {str(args.output)!r}: writing the results failed ({type(exc).__name__}: {exc}); "
+                         "the table above has them; pass a writable path")
         log(f"results written to {args.output}")
     print(f"{meta['model']} ({meta['model_format']}, {args.dtype}) on yirage {meta['backend']} ({meta['device']}); "
           f"{args.rounds} rounds after {args.warmup} warm-up; median [min-max]")

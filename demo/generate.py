@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,7 +38,9 @@ from typing import Any
 import torch
 
 import yirage as yr
+from yirage.autoconfig import check_count
 from yirage.engine import GenerationConfig, InferEngine
+from yirage.errors import YirageError
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "w4": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4, "num_attention_heads": 8,
@@ -83,9 +86,30 @@ def make_random_model(path: Path, name: str, overwrite: bool) -> None:
     transformers.LlamaForCausalLM(config).eval().save_pretrained(path, safe_serialization=True)
     if config.vocab_size >= 256:
         byte_tokenizer(config.vocab_size).save_pretrained(path)
-        log(f"wrote a random {name!r} Llama and a byte-level tokenizer to {path}")
-    else:
-        log(f"wrote a random {name!r} Llama to {path} (no tokenizer: vocab < 256)")
+    ordinary_permissions(path)
+    log(f"wrote a random {name!r} Llama" + (f" and a byte-level tokenizer to {path}" if config.vocab_size >= 256
+                                            else f" to {path} (no tokenizer: vocab < 256)"))
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux shows it (os.umask can only set it)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)  # set and restore: a moment with another umask, in this single-threaded CLI
+        os.umask(mask)
+        return mask
+
+
+def ordinary_permissions(path: Path) -> None:
+    """Give the weights files the mode an ordinary new file gets (0666 less the umask: 0644 under umask 022), like
+    the other files of the model. Why: safetensors' save_file (under save_pretrained) writes them 0600 whatever the
+    umask, while config.json and the tokenizer files are written with open(), so the weights alone were unreadable
+    to other users."""
+    mode = 0o666 & ~current_umask()
+    for f in path.glob("*.safetensors"):
+        f.chmod(mode)
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -183,13 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: run under torchrun --nproc-per-node "
                    "N with the same N (every rank loads 1/N of the weights); only rank 0 prints")
     args = p.parse_args(argv)
-    if sum(x is not None for x in (args.make_random_model, args.model_path, args.gguf)) > 1:
-        p.error("give one model: --gguf PATH, --model-path DIR or --make-random-model DIR")
-    if args.tp < 1:
-        p.error(f"--tp {args.tp}: pass a positive number of ranks")
+    check_args(p, args)
     out = sys.stdout
-    with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the report / the JSON object
-        report, ok = run(args)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the report / the JSON object
+            report, ok = run(args)
+    except YirageError as exc:  # a bad model, backend or launcher environment: the message names the fix
+        p.error(f"{type(exc).__name__}: {exc}")
     if report is None:  # a rank other than 0 of a tensor-parallel run: rank 0 reports
         return 0
     if args.json:
@@ -197,6 +221,24 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print_text(report, out)
     return 0 if ok else 1
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad values before any model is made or loaded (p.error: exit status 2, no traceback)."""
+    if sum(x is not None for x in (args.make_random_model, args.model_path, args.gguf)) > 1:
+        p.error("give one model: --gguf PATH, --model-path DIR or --make-random-model DIR")
+    for flag, value in (("--tp", args.tp), ("--batch-size", args.batch_size), ("--prompt-len", args.prompt_len)):
+        if value < 1:
+            p.error(f"{flag} {value}: pass a positive number (>= 1)")
+    try:
+        GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, seed=args.seed)
+        for key in ("num_workers", "num_local_schedulers"):
+            if getattr(args, key) is not None:
+                check_count(key, getattr(args, key), "--" + key.replace("_", "-"), ValueError,
+                            "pass a count, or leave it out for the device's configuration")
+    except ValueError as exc:
+        p.error(str(exc).replace("max_new_tokens", "--max-new-tokens"))
 
 
 def model_path(args: argparse.Namespace) -> Path:

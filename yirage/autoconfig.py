@@ -33,6 +33,7 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -245,14 +246,53 @@ def _tuning(device: DeviceInfo) -> dict[str, Setting]:
     return out
 
 
+#: the most workers (or local schedulers) a PersistentKernel takes. Why a bound: each one gets its own queue and
+#: state, so a typo such as 1e9 would otherwise surface as "Unable to allocate 3.73 TiB" (or numpy's "maximum
+#: dimension exceeded" for 2**63) deep in a runtime. The largest devices have a few hundred compute units
+#: (an H100: 132 SMs, an MI300X: 304 CUs), so 4096 leaves ample room.
+MAX_PK_COUNT = 4096
+COUNT_LOW = {"num_workers": 1, "num_local_schedulers": 0}
+
+
+def check_count(key: str, value: Any, where: str, error: type[Exception] = SavedConfigError, fix: str = "") -> int:
+    """``value`` as the int count ``key`` (num_workers >= 1, num_local_schedulers >= 0, both <= MAX_PK_COUNT), else
+    ``error`` naming ``where`` and the fix."""
+    low = COUNT_LOW[key]
+    if isinstance(value, bool) or not isinstance(value, Integral) or not low <= value <= MAX_PK_COUNT:
+        raise error(f"{where}: {key} must be an int >= {low} and <= {MAX_PK_COUNT} (e.g. 'num_workers': 2, "
+                    f"'num_local_schedulers': 0; a few per compute unit at most), got {value!r}; "
+                    f"{fix or 'fix the values'}")
+    return int(value)
+
+
 def check_counts(values: Mapping[str, Any], where: str, error: type[Exception] = SavedConfigError,
                  fix: str = "") -> None:
-    """num_workers an int >= 1 and num_local_schedulers an int >= 0, else ``error`` naming ``where`` and the fix."""
-    for key, low in (("num_workers", 1), ("num_local_schedulers", 0)):
-        value = values.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise error(f"{where}: {key} must be an int >= {low} (e.g. 'num_workers': 2, 'num_local_schedulers': "
-                        f"0), got {value!r}; {fix or 'fix the values'}")
+    """num_workers and num_local_schedulers as :func:`check_count` wants them, else ``error`` naming ``where``."""
+    for key in COUNT_LOW:
+        check_count(key, values.get(key), where, error, fix)
+
+
+def check_sweep(sweep: Any, where: str, fix: str) -> None:
+    """The measured candidates of a saved configuration: ``report()`` formats every field, so a junk row is refused
+    here, naming the row, instead of failing later in ``report()``."""
+    if not isinstance(sweep, list) or not all(isinstance(row, dict) for row in sweep):
+        raise SavedConfigError(f"{where}: 'sweep' must be a list of objects, got {sweep!r}; {fix}")
+    for i, row in enumerate(sweep):
+        check_counts(row, f"{where}: sweep row {i}", fix=fix)
+        error = row.get("error")
+        if error is not None and not isinstance(error, str):
+            raise SavedConfigError(f"{where}: sweep row {i}: 'error' must be a string or null, got {error!r}; {fix}")
+        if error or row.get("median_ms") is None:
+            continue  # a failed candidate: report() shows its error only
+        for key in ("median_ms", "min_ms", "max_ms"):
+            value = row.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise SavedConfigError(f"{where}: sweep row {i}: {key!r} must be a finite number >= 0 (milliseconds "
+                                       f"per step), got {value!r}; {fix}")
+        samples = row.get("samples")
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise SavedConfigError(f"{where}: sweep row {i}: 'samples' must be an int >= 1 for a measured row, got "
+                                   f"{samples!r}; {fix}")
 
 
 # -- saved configurations ---------------------------------------------------------------------------------------
@@ -286,16 +326,15 @@ def parse(data: Any, where: str) -> BackendConfig:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise SavedConfigError(f"{where}: {key} must be an int >= 0 or null, got {value!r}; {fix}")
     sweep = data.get("sweep", [])
-    if not isinstance(sweep, list) or not all(isinstance(row, dict) for row in sweep):
-        raise SavedConfigError(f"{where}: 'sweep' must be a list of objects, got {sweep!r}; {fix}")
+    check_sweep(sweep, where, fix)
     return BackendConfig(backend, dict(data["device"]), data["fingerprint"], out, list(sweep))
 
 
 def read_json(path: Path, what: str, fix: str) -> Any:
     """The JSON in ``path`` (None when it does not exist); unreadable or malformed: SavedConfigError with the fix."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+        text = settings.read_regular(path).decode("utf-8")  # a FIFO is refused, not opened: it would block forever
+    except (FileNotFoundError, NotADirectoryError):  # ENOTDIR: a parent is a file (HOME=/dev/null): none saved
         return None
     except (OSError, UnicodeDecodeError) as exc:
         raise SavedConfigError(f"{what} {path} cannot be read ({exc}); {fix}") from exc
@@ -306,12 +345,15 @@ def read_json(path: Path, what: str, fix: str) -> Any:
 
 
 def write_json(path: Path, data: Any) -> Path:
-    """Write ``data`` atomically (a temp file, then rename), so a crash never leaves a torn file."""
+    """Write ``data`` atomically (a new temp file, then rename), so a crash never leaves a torn file; neither a
+    link at ``path`` nor one planted at a temporary name is followed (``settings.write_atomic``)."""
+    if path.is_symlink():
+        raise settings.UnsafeConfigError(f"{path} is a symbolic link; yirage does not write through links, where one "
+                                         "could redirect the write to another file: delete the link or pass another "
+                                         "path")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        settings.write_atomic(path, json.dumps(data, indent=2) + "\n")
     except OSError as exc:
         raise SavedConfigError(f"cannot write {path}: {exc}; pass a writable path (or point YIRAGE_CONFIG_DIR "
                                "elsewhere)") from exc
@@ -346,6 +388,7 @@ def load_applied() -> dict[str, BackendConfig]:
 def apply(cfg: BackendConfig) -> Path:
     """Save ``cfg`` for later processes (replacing that backend's entry); a corrupted file is overwritten."""
     path = applied_path()
+    settings.check_writable_target(path)  # a private directory and no link, before the old file is even read
     try:
         data = read_json(path, "the applied backend configurations file", "")
     except SavedConfigError as exc:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from yirage.accuracy import metrics
-from yirage.accuracy.layout import AccuracyError, DumpReader
+from yirage.accuracy.layout import AccuracyError, DumpReader, writable_dir
 from yirage.accuracy.mapping import FusedKernel, Source, combine
 
 #: pass criteria per dtype (the less precise of the two sides): cosine_similarity is a minimum, the rest maxima.
@@ -213,15 +213,23 @@ def compare(my_path: str | os.PathLike[str], golden_path: str | os.PathLike[str]
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise AccuracyError(f"output {str(out)!r} is a file; pass a directory for {CSV_NAME}")
-    out.mkdir(parents=True, exist_ok=True)
+    writable_dir(out, "output directory")  # before comparing: a bad --output fails at once, with its reason
     report = CompareReport(out / CSV_NAME)
     for head, my_t, golden_t in _pairs(mine, golden):
         values, reason = _judge(my_t, golden_t, limits)
         report.rows.append({**head, **_side("my", my_t), **_side("golden", golden_t), **values,
                             "pass_fail": "fail" if reason else "pass", "fail_reason": reason})
-    with open(report.path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for row in report.rows:
-            writer.writerow({k: _fmt(v) for k, v in row.items()})
+    _write_csv(report)
     return report
+
+
+def _write_csv(report: CompareReport) -> None:
+    try:
+        with open(report.path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS)
+            writer.writeheader()
+            for row in report.rows:
+                writer.writerow({k: _fmt(v) for k, v in row.items()})
+    except OSError as exc:  # writable when checked; the disk filled or the path changed since
+        raise AccuracyError(f"cannot write {report.path} ({type(exc).__name__}: {exc.strerror or exc}); pass a "
+                            "writable --output directory") from None

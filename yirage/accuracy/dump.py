@@ -37,15 +37,28 @@ def prompt_ids(vocab: int, ids: Any = None, steps: int = DEFAULT_STEPS, batch: i
             raise AccuracyError(f"steps={steps!r} and batch={batch!r} must be ints >= 1")
         return torch.randint(0, vocab, (batch, steps), generator=torch.Generator().manual_seed(seed))
     try:
-        t = torch.as_tensor(ids, dtype=torch.int64)
+        t = torch.as_tensor(ids)
     except (TypeError, ValueError, RuntimeError):
         raise AccuracyError(f"ids={ids!r} must be token ids: a list of ints or a (batch, len) list of rows") \
             from None
+    if t.numel() and (_has_non_int(ids) or t.dtype == torch.bool or t.dtype.is_floating_point
+                      or t.dtype.is_complex):  # an empty list is a float tensor: refused below as empty
+        raise AccuracyError(f"ids={ids!r} must be int token ids (no floats or booleans, which would be truncated "
+                            "or read as 0/1): a list of ints or a (batch, len) list of rows, e.g. [[1, 2], [3, 4]]")
+    t = t.to(torch.int64)
     t = t[None] if t.dim() == 1 else t
     if t.dim() != 2 or t.numel() == 0 or int(t.min()) < 0 or int(t.max()) >= vocab:
         raise AccuracyError(f"ids must be a non-empty (batch, len) list of token ids in [0, {vocab}) (the model's "
                             f"vocab_size), got shape {tuple(t.shape)}")
     return t
+
+
+def _has_non_int(ids: Any) -> bool:
+    """A leaf of a nested list that is not an int (a bool is one to Python and to torch.as_tensor, which would
+    silently run True as token 1; a float mixed with ints is truncated)."""
+    if isinstance(ids, (list, tuple)):
+        return any(_has_non_int(x) for x in ids)
+    return isinstance(ids, (bool, float))
 
 
 def _op_groups(kernels: list[FusedKernel]) -> dict[str, list[str]]:

@@ -33,6 +33,7 @@ VERSION = 1
 MODES = ("input", "output", "all")
 KINDS = ("fused", "unfused")
 RECORD_KEYS = ("token", "op", "io", "index", "file", "dtype", "shape")
+IOS = ("input", "output")
 
 
 class AccuracyError(YirageError, ValueError):
@@ -113,6 +114,19 @@ def _numpy(tensor: Any) -> tuple[np.ndarray, str]:
     return array, str(array.dtype)
 
 
+def writable_dir(root: Path, what: str) -> None:
+    """Make ``root`` and check a file can be created in it, before any work: permissions alone miss /proc,
+    read-only mounts and root's rights, and a failure after a long run would lose it."""
+    probe = root / ".yirage-write-probe"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise AccuracyError(f"{what} {str(root)!r} cannot be written ({type(exc).__name__}: {exc.strerror or exc}); "
+                            "pass a writable directory") from None
+
+
 class DumpWriter:
     """Writes one dump directory; ``close()`` writes meta.json last, so a dump without it is incomplete."""
 
@@ -121,7 +135,7 @@ class DumpWriter:
         if self.root.exists() and (not self.root.is_dir() or any(self.root.iterdir())):
             raise AccuracyError(f"dump directory {str(self.root)!r} exists and is not empty; dump into a new "
                                 "directory (two dumps in one would mix their files) or delete it first")
-        self.root.mkdir(parents=True, exist_ok=True)
+        writable_dir(self.root, "dump directory")
         self.meta = {"format": FORMAT, "version": VERSION, **meta, "records": []}
         self._seen: set[tuple[int, str, str, int]] = set()
 
@@ -144,6 +158,29 @@ class DumpWriter:
         tmp.write_text(json.dumps(self.meta, indent=1))
         tmp.replace(self.root / "meta.json")
         return self.root
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_record(i: int, r: Any, bad: str) -> None:
+    """One meta.json record well formed: the reader indexes, sorts and joins on these fields, so a junk value
+    (e.g. "token": [0]) is refused here, naming the record, instead of failing later with a bare TypeError."""
+    if not isinstance(r, dict) or any(k not in r for k in RECORD_KEYS):
+        raise AccuracyError(f"{bad}: record {i} lacks one of {RECORD_KEYS}; dump again")
+    problems = [f"{key}={r[key]!r} is not an int >= 0" for key in ("token", "index") if not _is_index(r[key])]
+    problems += [f"{key}={r[key]!r} is not a non-empty string" for key in ("op", "file", "dtype")
+                 if not isinstance(r[key], str) or not r[key]]
+    if r["io"] not in IOS:
+        problems.append(f"io={r['io']!r} is not one of {IOS}")
+    if not isinstance(r["shape"], list) or not all(_is_index(d) for d in r["shape"]):
+        problems.append(f"shape={r['shape']!r} is not a list of ints >= 0")
+    if problems:
+        raise AccuracyError(f"{bad}: record {i}: {'; '.join(problems)}; dump again")
+    f = Path(r["file"])
+    if f.is_absolute() or ".." in f.parts:
+        raise AccuracyError(f"{bad}: record {i} names the file {r['file']!r} outside the dump directory")
 
 
 class DumpReader:
@@ -183,11 +220,7 @@ class DumpReader:
         if meta["kind"] == "fused" and not isinstance(meta.get("map"), list):
             raise AccuracyError(f"{bad}: a fused dump needs its 'map' (fused kernel -> original ops); dump again")
         for i, r in enumerate(meta["records"]):
-            if not isinstance(r, dict) or any(k not in r for k in RECORD_KEYS):
-                raise AccuracyError(f"{bad}: record {i} lacks one of {RECORD_KEYS}; dump again")
-            f = Path(str(r["file"]))
-            if f.is_absolute() or ".." in f.parts:
-                raise AccuracyError(f"{bad}: record {i} names the file {r['file']!r} outside the dump directory")
+            _check_record(i, r, bad)
         return meta
 
     def load(self, record: dict[str, Any]) -> np.ndarray:

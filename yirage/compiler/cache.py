@@ -5,16 +5,24 @@ index is a pickle), so a cache another user can write is a way to run code
 as you. Like ssh with ``~/.ssh`` and pip with its cache, yirage creates the
 cache root with mode 0700 and refuses a root, entry or file that is not
 owned by the current user or that group or others can write.
+
+Everything yirage reads there must be a regular file: ``open`` on a FIFO blocks
+forever. A FIFO, socket or device inside a checked entry cannot be something
+yirage wrote, and the entry is this user's alone, so ``check_tree`` removes it
+(the entry is then rebuilt); a directory where a file belongs is removed by
+``clear_irregular`` the same way.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
 import threading
 from pathlib import Path
 
+from yirage.config import file_kind, read_regular
 from yirage.errors import YirageError
 
 logger = logging.getLogger("yirage.compiler")
@@ -65,14 +73,18 @@ def check_tree(path: Path, tighten: bool = False) -> None:
 
     ``tighten``: a directory of our own that group or others may write (numba creates its cache
     directories with the umask's mode) loses those bits first; everything inside must still be ours.
+    A FIFO, socket or device below it is removed (reading it would block forever; the entry is rebuilt).
     """
-    if not path.exists():
+    if not os.path.lexists(path):
         return
+    st = os.lstat(path)
     if tighten and os.name == "posix":
-        st = os.lstat(path)
         if st.st_uid == os.geteuid() and stat.S_ISDIR(st.st_mode) and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             os.chmod(path, stat.S_IMODE(st.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
     check_private(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise CacheError(f"the compile-cache directory {path} is {file_kind(st.st_mode)}, not a directory; delete it "
+                         "(yirage recreates it) or set YIRAGE_CACHE_DIR to another directory")
     for dirpath, dirnames, filenames in os.walk(path):
         for name in dirnames + filenames:
             try:
@@ -83,6 +95,46 @@ def check_tree(path: Path, tighten: bool = False) -> None:
                 # only what this user put there
                 continue
             check_private(Path(dirpath) / name, info)
+            if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+                _remove(Path(dirpath) / name, file_kind(info.st_mode))
+
+
+def clear_irregular(path: Path) -> str | None:
+    """Remove ``path`` when it is not a regular file (a directory or FIFO where yirage keeps a file); say what it was.
+
+    None when it is a regular file or missing. Only for paths in an entry ``check_tree`` just checked: the
+    entry is this user's alone, so what is removed is no one else's.
+    """
+    try:
+        info = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):  # missing: nothing to clear (a read reports it)
+        return None
+    if stat.S_ISREG(info.st_mode):
+        return None
+    kind = file_kind(info.st_mode)
+    _remove(path, kind)
+    return kind
+
+
+def _remove(path: Path, kind: str) -> None:
+    """Remove a corrupted piece of a private cache entry, with a warning; CacheError with the fix when it cannot."""
+    logger.warning("compile-cache path %s is %s, not a regular file (corrupted; yirage reads only files it wrote "
+                   "there, and reading a FIFO would block forever); removing it so the entry is rebuilt", path, kind)
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        return  # another process of ours removed it first
+    except OSError as exc:
+        raise CacheError(f"compile-cache path {path} is {kind}, not a regular file, and cannot be removed ({exc}); "
+                         "delete it yourself or set YIRAGE_CACHE_DIR to another directory") from exc
+
+
+def read_private(path: Path) -> bytes:
+    """The bytes of a file in a checked entry: a link, FIFO or directory is refused before it is opened (OSError)."""
+    return read_regular(path, follow_symlinks=False)
 
 
 _made: set[Path] = set()
@@ -138,10 +190,13 @@ def write_private(path: Path, data: str | bytes) -> None:
 
     Text is written as UTF-8; bytes (a compiled binary) as they are.
     """
+    if os.path.isdir(path) and not os.path.islink(path):
+        raise CacheError(f"cannot write the compile cache at {path}: it is a directory where yirage keeps a file; "
+                         f"delete it (`rm -r {path}`) or set YIRAGE_CACHE_DIR to another directory")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     raw = data.encode("utf-8") if isinstance(data, str) else data
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
         os.replace(tmp, path)

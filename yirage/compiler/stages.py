@@ -9,8 +9,11 @@ and its target (device arch, thread count), so anything that changes the
 generated code or what it was built for lands in a new entry. Each entry
 carries a manifest with the sha256 of every file ``build`` produced; a file
 that no longer matches (a crash mid-write, an edit, disk damage) is rebuilt
-with a warning instead of being loaded. Entries are 0700 and checked with
-cache.py's ownership rules before anything in them is trusted.
+with a warning instead of being loaded; so is an entry whose manifest or file
+became a directory, FIFO or anything else but a regular file (removed first:
+the entry is private, and reading a FIFO would block forever). Entries are
+0700 and checked with cache.py's ownership rules before anything in them is
+trusted.
 
 What ``load`` returns is kept for the process by ``Artifact.load_once`` (``loaded.py``: one cache, one
 lock for every backend), so a plan compiled again, by another graph object or thread, reuses the loaded
@@ -29,7 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from yirage.compiler.cache import check_private, check_tree, private_dir, private_root, write_private
+from yirage.compiler.cache import (
+    check_private,
+    check_tree,
+    clear_irregular,
+    private_dir,
+    private_root,
+    read_private,
+    write_private,
+)
 from yirage.compiler.loaded import load_once
 from yirage.errors import PluginError
 
@@ -141,10 +152,10 @@ def _text(backend: StagedBackend, what: str, value: Any) -> str:
 def _verified(entry: Path, key: str) -> Artifact | None:
     """The entry's artifact when its manifest is sound and every file matches it; None means build."""
     manifest_path = entry / MANIFEST
-    if not manifest_path.exists():
+    if clear_irregular(manifest_path) or not manifest_path.exists():
         return None
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        manifest = json.loads(read_private(manifest_path).decode("utf-8"))
         files = manifest["files"]
         ok = (manifest.get("format") == MANIFEST_FORMAT and manifest.get("key") == key and isinstance(files, list)
               and files and all(isinstance(f, list) and len(f) == 2 and all(isinstance(x, str) for x in f)
@@ -159,8 +170,10 @@ def _verified(entry: Path, key: str) -> Artifact | None:
         return None
     for name, want in files:
         path = entry / name
+        inside = _inside(entry, path)
+        kind = clear_irregular(path) if inside else None
         try:
-            got = sha256_hex(path.read_bytes()) if _inside(entry, path) else "<outside the entry>"
+            got = sha256_hex(read_private(path)) if inside and not kind else f"<{kind or 'outside the entry'}>"
         except OSError as exc:
             got = f"<unreadable: {exc}>"
         if got != want:
@@ -194,6 +207,6 @@ def _build(backend: StagedBackend, source: str, entry: Path, key: str, fingerpri
         raise PluginError(f"backend {backend.name!r}: build(source, workdir) returned no files; it must return the "
                           f"path of what it wrote in {entry}. A bug in the plugin: report it to its authors")
     manifest = {"format": MANIFEST_FORMAT, "key": key, "backend": backend.name, "fingerprint": fingerprint,
-                "target": target, "files": [[n, sha256_hex((entry / n).read_bytes())] for n in names]}
+                "target": target, "files": [[n, sha256_hex(read_private(entry / n))] for n in names]}
     write_private(entry / MANIFEST, json.dumps(manifest, indent=1))  # last: an entry without one is rebuilt
     return Artifact(entry, tuple(names), key, rebuilt=True)

@@ -92,8 +92,16 @@ def _checked(rank: Any, size: Any, local: Any, names: tuple[str, str, str], sour
         raise DistributedError(f"{names[0]}={rank} is not below {names[1]}={size} ({source}): ranks are 0 .. "
                                f"{size - 1}; fix the launcher's environment or the rank=/world_size= arguments")
     port = env.get("MASTER_PORT")
-    return World(rank, size, local, env.get("MASTER_ADDR") or None,
-                 None if port in (None, "") else _int(port, "MASTER_PORT", 1), source)
+    return World(rank, size, local, env.get("MASTER_ADDR") or None, None if port in (None, "") else _port(port), source)
+
+
+def _port(value: str) -> int:
+    """MASTER_PORT as a TCP port: past 65535 torch's TCPStore fails with a bare TypeError about its arguments."""
+    port = _int(value, "MASTER_PORT", 1)
+    if port > 65535:
+        raise DistributedError(f"MASTER_PORT={value!r} is not a TCP port (1..65535); set it to a free port on rank "
+                               "0's host, the same on every rank, e.g. MASTER_PORT=29500")
+    return port
 
 
 def resolve_world(rank: int | None = None, world_size: int | None = None, local_rank: int | None = None,

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from numbers import Integral
 from typing import Any
 
-from yirage.autoconfig import BackendConfig, resolve_pk_config
+from yirage.autoconfig import BackendConfig, check_count, check_counts, resolve_pk_config
 from yirage.backend.runtime_contract import PersistentRuntime
 from yirage.errors import NotSupportedError
 from yirage.locks import ForkSafeRLock
@@ -31,6 +32,23 @@ from yirage.quant import FORMATS as QUANT_FORMATS
 from yirage.quant import QuantizedTensor
 
 _FLOATS = ("float32", "bfloat16", "float16")
+#: the smallest sampling temperature taken (0 is greedy, through argmax_layer). Why: the runtimes divide the logits
+#: by it in float32 (OpenCL, CUDA, reference) or float64 (cpu); far below 1e-6, logits / temperature overflow
+#: float32 (a subnormal temperature is even flushed to 0 on GPUs), and the backends then disagree: greedy tokens,
+#: near-uniform draws, or an error. At or above it the scores stay finite for any logit below 3e32, so the backends
+#: agree, and so cold a sampler is greedy in effect anyway: pass temperature=0 for greedy decoding.
+TEMPERATURE_FLOOR = 1e-6
+EOS_LIMIT = 2**63  # eos ids are compared with int64 tokens on every runtime
+
+
+def check_eos_ids(eos_token_id: Any) -> list[int]:
+    """``eos_token_id`` (None, an int or a sequence of them) as a list of int64 token ids, else LayerError."""
+    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, Integral) else eos_token_id
+    if isinstance(eos, (str, bytes)) or not isinstance(eos, Sequence) or not all(
+            isinstance(e, Integral) and not isinstance(e, bool) and 0 <= e < EOS_LIMIT for e in eos):
+        raise LayerError(f"eos_token_id must be None, a token id (an int in [0, 2**63)) or a list of them, got "
+                         f"{eos_token_id!r}; pass the model's end-of-sequence id(s), e.g. eos_token_id=2")
+    return [int(e) for e in eos]
 
 
 def _grid(grid_dim: Any) -> int:
@@ -97,9 +115,12 @@ class PersistentKernel:
         self._snapshot: Snapshot | None = None
         self.batch = int(tokens.shape[0])
         self.max_seq_length = int(max_seq_length)
-        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        self.eos_token_ids = [int(e) for e in eos]
+        self.eos_token_ids = check_eos_ids(eos_token_id)
         self.step, self.tokens = step, tokens
+        for key, value in (("num_workers", num_workers), ("num_local_schedulers", num_local_schedulers)):
+            if value is not None:
+                check_count(key, value, "PersistentKernel", LayerError, "pass a count, or None for the device's "
+                            "configuration")
         self.num_workers = num_workers
         self.num_local_schedulers = num_local_schedulers
         self.profiler_tensor = profiler_tensor
@@ -349,7 +370,10 @@ class PersistentKernel:
     def sampling_layer(self, input: PKTensor, output: PKTensor, temperature: float = 1.0, top_k: int = 0,
                        top_p: float = 1.0, seed: int = 0, grid_dim: Any = 1, block_dim: Any = None) -> None:
         """Sample from softmax(logits / temperature) restricted to top_k and nucleus top_p."""
-        require(temperature > 0, "sampling_layer", f"temperature={temperature} must be > 0 (use argmax_layer for 0)")
+        require(isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+                and TEMPERATURE_FLOOR <= temperature < math.inf, "sampling_layer",
+                f"temperature={temperature!r} must be a finite number >= {TEMPERATURE_FLOOR:g}: below it the backends' "
+                "float32 scores overflow and disagree; for greedy decoding use argmax_layer (temperature=0)")
         require(top_k >= 0 and 0 < top_p <= 1, "sampling_layer", f"need top_k >= 0 and 0 < top_p <= 1, got "
                                                                  f"top_k={top_k}, top_p={top_p}")
         require(isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32, "sampling_layer",
@@ -420,8 +444,8 @@ class PersistentKernel:
         (yirage.autoconfig); kept as ``self.config`` with the source of each value."""
         active = resolve_pk_config(self.backend, self.num_workers, self.num_local_schedulers)
         config = active.values()
-        if config["num_workers"] < 1 or config["num_local_schedulers"] < 0:
-            raise LayerError(f"need num_workers >= 1 and num_local_schedulers >= 0 (0: workers schedule), got {config}")
+        check_counts(config, f"PersistentKernel ({active.sources()})", LayerError,
+                     "pass num_workers/num_local_schedulers explicitly, or fix the saved configuration")
         self._active_config = active
         return config
 
@@ -455,6 +479,8 @@ class PersistentKernel:
         if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
                                            or max_new_tokens < 0):
             raise LayerError(f"max_new_tokens must be an int >= 0 or None, got {max_new_tokens!r}")
+        if max_new_tokens is not None:  # a decode stops at max_seq_length anyway; runtimes count steps in int64
+            max_new_tokens = min(max_new_tokens, self.max_seq_length)
         refuse_dispatch_modes("a PersistentKernel was called")
         with self._lock:
             if self.runtime is None:

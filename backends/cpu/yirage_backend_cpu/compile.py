@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from yirage.compiler.cache import CacheError, cache_root, check_tree, write_private
+from yirage.compiler.cache import CacheError, cache_root, check_tree, clear_irregular, read_private, write_private
 from yirage.compiler.kernel_ir import KernelPlan
 from yirage.compiler.stages import Artifact, compile_cached
 from yirage.errors import YirageError
@@ -44,12 +44,16 @@ def render(plan: KernelPlan, fingerprint: str) -> str:
 
 
 def build(source: str, workdir: Path) -> Path:
-    """Stage 2: write the module; an identical file is left alone so numba's cache stamp stays valid."""
+    """Stage 2: write the module; an identical file is left alone so numba's cache stamp stays valid.
+
+    A directory or FIFO in its place (a corrupted entry: ``workdir`` is a private, checked entry) is removed first.
+    """
     path = workdir / SOURCE_NAME
+    clear_irregular(path)
     try:
-        current = path.read_text(encoding="utf-8") if path.exists() else None
+        current = read_private(path).decode("utf-8") if path.exists() else None
     except (OSError, UnicodeDecodeError):
-        current = None
+        current = None  # unreadable or torn: written again below
     if current != source:
         write_private(path, source)
     return path
@@ -92,6 +96,8 @@ def _load(name: str, path: Path) -> Callable[[Any], list[Any]]:
         check_tree(directory)  # before numba unpickles anything from there
     try:
         module = _import(name, path)
+    except CacheError:
+        raise  # no writable or trustworthy place for numba's cache (it names it and the fix): not a compile failure
     except Exception as exc:  # noqa: BLE001 - numba's cache files may be stale or corrupted: rebuild once
         logger.warning("loading %s failed (%s: %s); clearing its numba cache (%s) and compiling again",
                        path, type(exc).__name__, exc, ", ".join(map(str, caches)))
@@ -99,6 +105,8 @@ def _load(name: str, path: Path) -> Callable[[Any], list[Any]]:
             shutil.rmtree(directory, ignore_errors=True)
         try:
             module = _import(name, path)
+        except CacheError:
+            raise
         except Exception as again:  # noqa: BLE001 - reported with the path and what to do
             raise CompileError(
                 f"numba could not compile the kernels rendered in {path} ({type(again).__name__}: {again}). "

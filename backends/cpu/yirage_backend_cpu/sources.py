@@ -6,6 +6,14 @@ and size), yet ``pk_runtime.decode`` inlines code from ``pk_tasks`` and
 the old code. ``tie_caches_to_sources`` adds the fingerprint of every
 backend source file to the freshness stamp of each cached function in a
 module, so any change to any of them recompiles them all.
+
+numba caches a module's functions beside it (``__pycache__``) or in the user's
+cache (``~/.cache/numba``); in a read-only install with an unwritable HOME
+neither works and every ``cache=True`` function of the backend fails to import
+("no locator available"). Importing this module adds a last-resort locator for
+the backend's own files: ``numba/`` in the yirage compile cache, so setting
+``YIRAGE_CACHE_DIR`` is enough; when that fails too, the import fails with a
+CacheError that names each place tried and that fix.
 """
 
 from __future__ import annotations
@@ -33,6 +41,61 @@ def backend_fingerprint() -> str:
 
 
 _checked: set[str] = set()
+
+
+def _fallback_locator(caching: Any) -> type:
+    """numba's locator for the backend's own files, below ``<yirage cache>/numba`` (private, 0700)."""
+    from yirage.compiler.cache import CacheError, private_dir, private_root
+
+    user_wide = getattr(caching, "UserWideCacheLocator", None) or caching._UserWideCacheLocator
+
+    class YirageCacheLocator(user_wide):
+        """Tried after numba's own locators, for files of this package only."""
+
+        yirage_fallback = True
+
+        def __init__(self, py_func: Any, py_file: str) -> None:
+            super().__init__(py_func, py_file)
+            self._cache_path = str(private_dir(private_dir(private_root() / "numba")
+                                               / self.get_suitable_cache_subpath(py_file)))
+
+        @classmethod
+        def from_function(cls, py_func: Any, py_file: str) -> Any:
+            if Path(py_file).resolve().parent != PACKAGE:
+                return None
+            try:
+                locator = cls(py_func, py_file)
+                locator.ensure_cache_path()
+            except (CacheError, OSError) as exc:
+                user_cache = user_wide(py_func, py_file).get_cache_path()
+                raise CacheError(
+                    f"numba cannot cache the compiled code of {py_file}: no writable place for it. Beside it "
+                    f"({Path(py_file).parent / '__pycache__'}) is not writable (a read-only install?), nor is numba's "
+                    f"user cache ({user_cache}: HOME or XDG_CACHE_HOME), nor the yirage compile cache ({exc}). Set "
+                    "YIRAGE_CACHE_DIR to a directory you can write (yirage keeps numba's cache of its own code there "
+                    "when the others fail), or NUMBA_CACHE_DIR") from exc
+            return locator
+
+    return YirageCacheLocator
+
+
+def _register_fallback_locator() -> None:
+    """Append the locator above to numba's list, once (numba tries its own locators first)."""
+    try:
+        from numba.core import caching
+    except ImportError:  # numba is not installed: the backend's probe reports that, and there is nothing to cache
+        return
+    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)
+    classes = getattr(impl, "_locator_classes", None)
+    if not isinstance(classes, list):
+        logger.debug("numba's cache locators changed layout; a read-only install needs NUMBA_CACHE_DIR")
+        return
+    if not any(getattr(c, "yirage_fallback", False) for c in classes):
+        classes.append(_fallback_locator(caching))
+
+
+PACKAGE = Path(__file__).resolve().parent
+_register_fallback_locator()  # before any module of the backend defines a cache=True function
 
 
 def tie_caches_to_sources(namespace: dict[str, Any]) -> None:

@@ -47,7 +47,7 @@ def device() -> Any:
     if not wanted:
         return all_devices()[0][0]
     try:
-        p, d = (int(x) for x in wanted.split(":"))
+        p, d = _indices(wanted)
         return cl.get_platforms()[p].get_devices()[d]
     except (ValueError, IndexError) as exc:
         listing = "; ".join(f"{i}:{j} {dev.name.strip()}" for i, pl in enumerate(cl.get_platforms())
@@ -55,6 +55,14 @@ def device() -> Any:
         raise DeviceSelectionError(
             f"YIRAGE_OPENCL_DEVICE={wanted!r} names no OpenCL device ({exc}); set it to platform:device "
             f"indices, one of: {listing}, or unset it to use the best device") from exc
+
+
+def _indices(wanted: str) -> tuple[int, int]:
+    """``platform:device`` as two indices >= 0; a negative one would pick from the end of Python's list."""
+    p, d = (int(x) for x in wanted.split(":"))
+    if p < 0 or d < 0:
+        raise ValueError("the indices must be >= 0")
+    return p, d
 
 
 def is_host_cpu(dev: Any) -> bool:
