@@ -6,9 +6,12 @@ then hands the rest of the decode loop to a compiled PersistentKernel.
 
 from __future__ import annotations
 
+import contextvars
 import copy
+import functools
 import math
 import os
+import re
 import threading
 import time
 import warnings
@@ -21,8 +24,13 @@ from yirage.models.config import ModelError, resolve_dtype
 from yirage.models.llama import LlamaModel
 from yirage.models.placement import Placement
 from yirage.persistent.guard import refuse_dispatch_modes
+from yirage.persistent.kernel import EOS_LIMIT, TEMPERATURE_FLOOR
 
 SEED_LIMIT = 2**32  # sampling seeds mix with positions in int64 arithmetic on every runtime
+#: the most new tokens one generate asks for. Why: positions and step counts are int64 on every runtime, and a
+#: number past int64 failed deep in the compiled decode (a numba TypingError); 2**31 - 1 positions is far beyond
+#: any model's context, and the KV cache check refuses much less (prompt + max_new_tokens must fit the memory).
+MAX_NEW_TOKENS = 2**31 - 1
 
 
 def _is_int(value: Any) -> bool:
@@ -46,10 +54,16 @@ class GenerationConfig:
     output_logits: bool = False  # keep every step's logits in GenerationResult.logits (decodes step by step)
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not _is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens must be an int >= 1 and <= 2**31 - 1, got {self.max_new_tokens!r}; the "
+                             "model's context (max_position_embeddings) and the free memory bound it further")
         if not _is_real(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
+        if 0 < self.temperature < TEMPERATURE_FLOOR:
+            raise ValueError(f"temperature={self.temperature!r} is below the floor {TEMPERATURE_FLOOR:g}: so low a "
+                             "temperature is greedy in effect, and further down the logits divided by it overflow "
+                             "float32 and the backends disagree; use temperature=0 for greedy decoding, or a "
+                             f"temperature >= {TEMPERATURE_FLOOR:g}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0: no top-k filter), got {self.top_k!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
@@ -61,9 +75,9 @@ class GenerationConfig:
         eos = self.eos_token_id
         if eos is not None:
             ids = (eos,) if _is_int(eos) else tuple(eos) if isinstance(eos, (tuple, list)) else None
-            if ids is None or not all(_is_int(e) and 0 <= e < 2**63 for e in ids):
-                raise ValueError(f"eos_token_id must be None (the model's), an int id >= 0, or a tuple of them "
-                                 f"(() never stops early); got {eos!r}")
+            if ids is None or not all(_is_int(e) and 0 <= e < EOS_LIMIT for e in ids):
+                raise ValueError(f"eos_token_id must be None (the model's), an int id in [0, 2**63) (int64 token ids), "
+                                 f"or a tuple of them (() never stops early); got {eos!r}")
             object.__setattr__(self, "eos_token_id", eos if _is_int(eos) else ids)
 
 
@@ -110,6 +124,7 @@ class InferEngine:
         if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             raise ValueError(f"tp must be a positive int (tensor-parallel ranks), got {tp!r}; pass e.g. 2 under "
                              "torchrun --nproc-per-node 2, or None for one rank")
+        _check_counts(num_workers, num_local_schedulers)
         self.tp = tp or 1
         self.tasks_per_layer = tasks_per_layer
         self._lock = ForkSafeRLock()  # a child forked while another thread generates gets a fresh lock
@@ -166,10 +181,7 @@ class InferEngine:
         import torch
 
         tokenizer = self._require_tokenizer("messages=[...]")
-        if not getattr(tokenizer, "chat_template", None):
-            raise ModelError("messages=[...] needs a chat template, but this model's tokenizer has none (no "
-                             "tokenizer.chat_template in the GGUF file / tokenizer_config.json); pass the prompt "
-                             "as text or token ids instead")
+        _template_source(tokenizer)  # a clear error first when the model has no template
         chats = [messages] if isinstance(messages, (list, tuple)) and messages and all(
             isinstance(m, dict) for m in messages) else messages
         if not isinstance(chats, (list, tuple)) or not chats or not all(
@@ -177,11 +189,9 @@ class InferEngine:
             raise ModelError('messages must be a conversation, a non-empty list of {"role": str, "content": str} '
                              'dicts such as [{"role": "user", "content": "Hi"}], or a list of such conversations '
                              f"(a batch); got {messages!r:.200}")
-        rows = []
-        for chat in chats:
-            text = tokenizer.apply_chat_template([dict(m) for m in chat], add_generation_prompt=True,
-                                                 tokenize=False)
-            rows.append(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template has the specials
+        # the template has the specials; rendered in a sandbox, within limits (render_chat_template)
+        texts = render_chat_template(tokenizer, chats)
+        rows = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
         if len({len(r) for r in rows}) != 1:
             raise ModelError("conversations of different token lengths are not supported yet in one batch; "
                              "generate them one at a time")
@@ -281,10 +291,13 @@ class InferEngine:
         config = config or GenerationConfig()
         if not isinstance(config, GenerationConfig):
             raise ModelError(f"config must be a GenerationConfig, got {type(config).__name__}")
+        self.backend.check_process()  # a forked child whose runtime cannot run: an error, before the prefill hangs
         input_ids = self._prompt_ids(input_ids)
         batch, prompt = input_ids.shape
         eos = self.config.eos_token_id if config.eos_token_id is None else config.eos_token_id
         eos_ids = (eos,) if isinstance(eos, int) else tuple(eos)
+        if config.eos_token_id is not None:
+            _check_eos_in_vocab(eos_ids, self.config.vocab)
         max_len = prompt + config.max_new_tokens + 1
         if self._tokens is None or tuple(self._tokens.shape) != (batch, max_len):
             self.model.check_cache_fits(batch, max_len)  # a clear error before any warning or allocation
@@ -363,6 +376,24 @@ _tokenizer_lock = threading.Lock()
 _gguf_tokenizers: dict[tuple[str, int, int], Any] = {}  # (path, size, mtime) -> a tokenizer to copy from
 
 
+def _check_counts(num_workers: Any, num_local_schedulers: Any) -> None:
+    """Refuse bad worker counts before the model loads (the PersistentKernel would, after loading it)."""
+    from yirage.autoconfig import check_count
+
+    for key, value in (("num_workers", num_workers), ("num_local_schedulers", num_local_schedulers)):
+        if value is not None:
+            check_count(key, value, "InferEngine", ValueError, "pass a count, or None for the device's configuration")
+
+
+def _check_eos_in_vocab(eos_ids: tuple[int, ...], vocab: int) -> None:
+    """An id >= vocab is never picked, so it never stops a row: refuse it rather than silently ignore it."""
+    outside = [e for e in eos_ids if e >= vocab]
+    if outside:
+        raise ModelError(f"eos_token_id {outside} not below vocab_size={vocab}: the model never emits such an id, so "
+                         f"it would never stop generation; pass ids in [0, {vocab}), or eos_token_id=() to never stop "
+                         "early")
+
+
 def _is_message(m: Any) -> bool:
     return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
 
@@ -428,3 +459,245 @@ def _local_tokenizer(model_path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+# -- chat templates: rendered in jinja2's sandbox, within limits -------------------------------------------------
+#: Limits on rendering a chat template, which is code from the model file run on every messages=[...] call. Why:
+#: jinja2's sandbox stops attribute tricks, not work: its range() allows 100000 items per call, so two nested
+#: loops run 10**10 iterations (a hang), and "x" * 10**9, 10 ** 10**8 or "%999999999d" take gigabytes or minutes
+#: in one expression. Real templates loop over the messages: far below these.
+TEMPLATE_STEPS = 1_000_000  # items all range() calls of one rendering yield together
+TEMPLATE_SECONDS = 10.0  # wall time of one rendering
+TEMPLATE_CHARS = 1 << 20  # characters one rendering may produce, plus 4 x the characters of its messages
+TEMPLATE_WIDTH = 4096  # the widest field a format string ("%5d", "{:>5}") may ask for
+
+
+class ChatTemplateError(ModelError):
+    """A chat template that cannot be rendered (malformed, refusing the messages, or past the TEMPLATE_* limits);
+    the message names the problem and the fixes: fix the template, or pass the prompt without it."""
+
+
+_TEMPLATE_FIX = ("fix the model's chat template (tokenizer.chat_template in a GGUF file, chat_template in "
+                 "tokenizer_config.json or chat_template.jinja), or pass the prompt without the chat template: as "
+                 "text or token ids instead of messages=[...]")
+_WIDE_FIELD = re.compile(r"%[-#0 +]*(\d+)?(?:\.(\d+))?|\{[^{}]*:[^{}\d]*(\d+)?(?:\.(\d+))?[^{}]*\}")
+
+
+class _RenderBudget:
+    """What one rendering may still spend: range() items, output characters and time."""
+
+    def __init__(self, chars: int) -> None:
+        self.steps, self.chars, self.deadline = TEMPLATE_STEPS, chars, time.monotonic() + TEMPLATE_SECONDS
+        self.cap = chars  # the most one value may hold, too
+
+    def spend(self, steps: int = 0, chars: int = 0) -> None:
+        self.steps -= steps
+        self.chars -= chars
+        if self.steps < 0:
+            raise ChatTemplateError(f"the chat template loops without bound: its range() loops passed "
+                                    f"{TEMPLATE_STEPS} iterations in one rendering; {_TEMPLATE_FIX}")
+        if self.chars < 0:
+            raise ChatTemplateError(f"the chat template's output grows without bound (past the limit of "
+                                    f"{TEMPLATE_CHARS} characters plus 4 x the messages'); {_TEMPLATE_FIX}")
+        if time.monotonic() > self.deadline:
+            raise ChatTemplateError(f"rendering the chat template took over {TEMPLATE_SECONDS:g} s; {_TEMPLATE_FIX}")
+
+
+_budget: contextvars.ContextVar[_RenderBudget] = contextvars.ContextVar("yirage_template_budget")
+
+
+class _BoundedRange:
+    """range() for templates: the same numbers, each item drawn from the rendering's budget."""
+
+    def __init__(self, numbers: range) -> None:
+        self._numbers = numbers
+
+    def __len__(self) -> int:
+        return len(self._numbers)
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self._numbers
+
+    def __getitem__(self, index: Any) -> Any:
+        item = self._numbers[index]
+        return _BoundedRange(item) if isinstance(item, range) else item
+
+    def __iter__(self) -> Any:
+        return self._draw(iter(self._numbers))
+
+    def __reversed__(self) -> Any:
+        return self._draw(reversed(self._numbers))
+
+    @staticmethod
+    def _draw(numbers: Any) -> Any:
+        budget = _budget.get()
+        for n in numbers:
+            budget.spend(steps=1)
+            yield n
+
+
+def _check_widths(fmt: Any) -> None:
+    """Refuse a format string asking for a field wider than TEMPLATE_WIDTH (it would be allocated at once)."""
+    if isinstance(fmt, str) and any(int(g) > TEMPLATE_WIDTH for m in _WIDE_FIELD.finditer(fmt)
+                                    for g in m.groups() if g):
+        raise ChatTemplateError(f"the chat template formats a field wider than {TEMPLATE_WIDTH} characters "
+                                f"({fmt[:80]!r}); {_TEMPLATE_FIX}")
+
+
+@functools.lru_cache(maxsize=1)
+def _template_environment() -> Any:
+    """jinja2's ImmutableSandboxedEnvironment set up as transformers sets it up for chat templates (trim_blocks,
+    lstrip_blocks, loop controls, tojson, raise_exception, strftime_now, namespace, {% generation %}), with a
+    bounded range(), checked ``*``, ``**`` and ``%``, checked format widths, and no lipsum()."""
+    import datetime
+    import json
+
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):  # transformers' {% generation %} blocks mark assistant text: rendered as is
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    class Namespace(jinja2.utils.Namespace):  # as transformers': no underscore names stored
+        def __init__(*args: Any, **kwargs: Any) -> None:
+            self, attrs = args[0], dict(*args[1:], **kwargs)
+            for name in attrs:
+                Namespace.check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            Namespace.check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def check(name: Any) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a namespace cannot store the underscore name {name!r}")
+
+    class Environment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "%"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            _check_binop(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+        def wrap_str_format(self, value: Any) -> Any:
+            _check_widths(getattr(value, "__self__", None))
+            return super().wrap_str_format(value)
+
+    def raise_exception(message: Any) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        _check_widths(f"%{indent}d" if isinstance(indent, int) else None)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def format_filter(value: Any, *args: Any, **kwargs: Any) -> str:
+        _check_widths(value)
+        return jinja2.filters.do_format(value, *args, **kwargs)
+
+    env = Environment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.globals.pop("lipsum", None)
+    env.globals.update(range=lambda *args: _BoundedRange(range(*args)), raise_exception=raise_exception,
+                       namespace=Namespace, dict=lambda *args, **kwargs: dict(*args, **kwargs),
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    env.filters.update(tojson=tojson, format=format_filter)
+    return env
+
+
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    """Refuse ``seq * n`` past the output budget, ``a ** b`` with a huge result and wide ``%`` fields."""
+    if operator == "*":
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and _is_int(n) and len(seq) * n > _budget.get().cap:
+                raise ChatTemplateError(f"the chat template repeats a {type(seq).__name__} (length {len(seq)}) "
+                                        f"{n} times, past the output limit; {_TEMPLATE_FIX}")
+    elif operator == "**" and _is_int(left) and _is_int(right) and abs(left) > 1 \
+            and right * left.bit_length() > 1 << 16:
+        raise ChatTemplateError(f"the chat template computes {left} ** {right}, a number of over 65536 bits; "
+                                f"{_TEMPLATE_FIX}")
+    elif operator == "%":
+        _check_widths(left)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_template(source: str) -> Any:
+    import jinja2
+
+    try:
+        return _template_environment().from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"the model's chat template is malformed: {exc.message} (line {exc.lineno}); "
+                                f"{_TEMPLATE_FIX}") from exc
+
+
+def _plain(value: Any) -> Any:
+    """``value`` rebuilt from JSON types only (what a template may see); anything else becomes ``<TypeName>``."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return f"<{type(value).__name__}>"
+
+
+def _template_source(tokenizer: Any) -> str:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates (tokenizer_config.json): the default one
+        template = template.get("default")
+    if not isinstance(template, str) or not template:
+        raise ModelError("messages=[...] needs a chat template, but this model's tokenizer has none (no "
+                         "tokenizer.chat_template in the GGUF file / tokenizer_config.json, or no default one); pass "
+                         "the prompt as text or token ids instead")
+    return template
+
+
+def render_chat_template(tokenizer: Any, chats: Any) -> list[str]:
+    """Each conversation as the text the model's chat template makes of it, with the assistant's turn opened (what
+    transformers' apply_chat_template(add_generation_prompt=True, tokenize=False) renders).
+
+    Rendered here, not by transformers, to bound it: in jinja2's immutable sandbox within the TEMPLATE_* limits
+    (see _template_environment). Every template problem, from a syntax error to raise_exception() in the
+    template, is a ChatTemplateError naming it and the fix.
+    """
+    import jinja2
+
+    template = _compile_template(_template_source(tokenizer))
+    special = _plain(dict(getattr(tokenizer, "special_tokens_map", {}) or {}))
+    texts = []
+    for chat in chats:
+        messages = _plain([{k: v for k, v in m.items() if v is not None} for m in chat])  # as transformers does
+        budget = _RenderBudget(TEMPLATE_CHARS + 4 * sum(len(str(m.get("content", ""))) for m in messages))
+        token = _budget.set(budget)
+        try:
+            parts = []
+            for part in template.generate(**special, messages=messages, tools=None, documents=None,
+                                          add_generation_prompt=True):
+                budget.spend(chars=len(part))
+                parts.append(part)
+            texts.append("".join(parts))
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template refused these messages or failed on them "
+                                    f"({type(exc).__name__}: {exc}); {_TEMPLATE_FIX}") from exc
+        except RecursionError as exc:
+            raise ChatTemplateError(f"the chat template recurses without bound; {_TEMPLATE_FIX}") from exc
+        except (TypeError, ValueError, LookupError, ArithmeticError, AttributeError) as exc:
+            raise ChatTemplateError(f"the chat template fails on these messages ({type(exc).__name__}: {exc}); "
+                                    f"{_TEMPLATE_FIX}") from exc
+        finally:
+            _budget.reset(token)
+    return texts

@@ -17,6 +17,13 @@ from yirage.errors import NotSupportedError, YirageError
 from yirage.quant import FORMATS as QUANT_FORMATS
 
 SUPPORTED = ("llama", "qwen2", "mistral")
+#: Upper bounds for the sizes a config declares, checked before anything is made from them. Why: per-layer and
+#: per-head bookkeeping (weight_shapes(), the q/k/v regrouping) is built from these numbers before the checkpoint
+#: can contradict them, so a damaged num_hidden_layers=10**9 or num_attention_heads=2**28 cost gigabytes first.
+#: Each bound is many times the largest real Llama-family model (Llama 3.1 405B: 126 layers, 128 heads, hidden
+#: 16384, intermediate 53248; Gemma 3: 262144-token vocabulary; head sizes up to 256).
+SIZE_LIMITS = {"num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096,
+               "head_dim": 4096, "hidden_size": 1 << 18, "intermediate_size": 1 << 20, "vocab_size": 1 << 23}
 
 
 class ModelError(YirageError, ValueError):
@@ -138,6 +145,10 @@ def _count(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         hint = " (a model needs at least one decoder layer)" if key == "num_hidden_layers" else ""
         raise ModelError(f"config.json: {key}={value!r} must be a positive int{hint}; fix config.json")
+    if value > SIZE_LIMITS.get(key, value):
+        raise ModelError(f"config.json: {key}={value} exceeds {SIZE_LIMITS[key]}, many times what any Llama-family "
+                         "model has (Llama 3.1 405B: 126 layers, 128 heads, hidden 16384); the value is damaged: fix "
+                         "config.json")
     return value
 
 

@@ -27,6 +27,7 @@ Reader = Callable[[str, "slice | None", "slice | None"], Any]
 
 def load_weights(model_dir: str | Path) -> dict[str, Any]:
     """Every tensor of a Hugging Face directory's ``*.safetensors`` files (sharded or not), on the CPU."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -34,8 +35,27 @@ def load_weights(model_dir: str | Path) -> dict[str, Any]:
         raise ModelError(f"no *.safetensors files in {model_dir}; save the model with safe_serialization=True")
     weights: dict[str, Any] = {}
     for f in files:
-        weights.update(load_file(str(f)))
+        check_readable(f)
+        try:
+            weights.update(load_file(str(f)))
+        except (OSError, SafetensorError) as exc:  # a torn header or data past the end of the file
+            raise ModelError(f"cannot load {f} ({type(exc).__name__}: {exc}); the file is probably truncated or "
+                             "corrupt: save or download the model again") from exc
     return weights
+
+
+def check_readable(path: Path) -> None:
+    """Open ``path`` as Python would, so an unreadable checkpoint is reported with its real OSError.
+
+    Why: safetensors reports a failure to open the file with a message of its own that can mislead (a directory
+    named model.safetensors gives "No such device"; issue 28 saw an unreadable file as "No such file or directory").
+    """
+    try:
+        with open(path, "rb") as f:
+            f.read(8)
+    except OSError as exc:
+        raise ModelError(f"cannot read {path}: {exc.strerror or exc} ({type(exc).__name__}, errno {exc.errno}); make "
+                         "it a readable file (check its permissions and owner, or save the model again)") from exc
 
 
 def dense(weight: Any) -> Any:
@@ -160,8 +180,12 @@ def checkpoint_reader(config: LlamaConfig, weights: dict[str, Any]) -> tuple[Rea
     """A Reader over a whole checkpoint dict (names with or without ``model.``), each tensor's shape checked
     against ``config``; and whether the checkpoint has its own LM head."""
     w = {k.removeprefix("model."): v for k, v in weights.items()}
+    check_layer_count(w, config.layers)  # before weight_shapes(), which is built per layer
     shapes = config.weight_shapes()
     warn_unused_layers(w, config.layers)
+    for name, shape in shapes.items():  # every shape before anything is made from the config's sizes
+        if name in w and tuple(w[name].shape) != shape:
+            raise _shape_error(name, w[name], shape)
 
     def read(name: str, rows: slice | None, cols: slice | None) -> Any:
         try:
@@ -169,13 +193,29 @@ def checkpoint_reader(config: LlamaConfig, weights: dict[str, Any]) -> tuple[Rea
         except KeyError:
             raise ModelError(f"weight {name!r} is missing from the checkpoint") from None
         if tuple(t.shape) != shapes[name]:  # a mismatch would index past a table in the compiled decoder
-            raise ModelError(f"weight {name!r} has shape {tuple(t.shape)}, but config.json implies "
-                             f"{shapes[name]}; the checkpoint and config.json disagree: fix or re-export them")
+            raise _shape_error(name, t, shapes[name])
         if rows is not None:
             t = t[rows]
         return t if cols is None else t[:, cols]
 
     return read, "lm_head.weight" in w or not config.tie_embeddings
+
+
+def _shape_error(name: str, tensor: Any, shape: tuple[int, ...]) -> ModelError:
+    return ModelError(f"weight {name!r} has shape {tuple(tensor.shape)}, but config.json implies {shape}; the "
+                      "checkpoint and config.json disagree: fix or re-export them")
+
+
+def check_layer_count(weights: dict[str, Any], layers: int) -> None:
+    """Refuse a num_hidden_layers the checkpoint's ``layers.N.*`` tensors do not back, before anything is made per
+    layer (a config.json saying 10**9 layers would otherwise cost gigabytes of per-layer bookkeeping first)."""
+    present = {int(m.group(1)) for m in map(re.compile(r"layers\.(\d+)\.").match, weights) if m}
+    backed = sum(1 for i in present if i < layers)
+    if backed < layers:
+        first = min(set(range(min(layers, len(present) + 1))) - present)
+        raise ModelError(f"config.json: num_hidden_layers={layers}, but the checkpoint holds weights for only "
+                         f"{backed} of those layers (layers.{first}.* is the first missing); the checkpoint and "
+                         "config.json disagree: fix num_hidden_layers or re-export the model")
 
 
 def warn_unused_layers(weights: dict[str, Any], layers: int) -> None:
