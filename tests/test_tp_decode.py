@@ -4,7 +4,8 @@ Oracles: transformers' greedy decode and the single-rank PersistentKernel on the
 ReferenceTP (the plain-torch tensor-parallel step: logits within tolerance at every step). Two ranks run as
 subprocesses with torchrun's environment (tests/test_distributed.py's launcher), each under a hard timeout, so
 a hang or a crash fails the test instead of killing the run. The tiny model: 4 query heads over 2 KV heads,
-vocab 97 (odd: rank 1's vocabulary shard is short and padded in the all-gather).
+vocab 97 (odd: rank 1's vocabulary shard is short and padded in the all-gather). bf16 and Q4_0 weights, GGUF
+files, seeded sampling, EOS stops and three ranks: tests/test_tp_coverage.py.
 """
 
 from __future__ import annotations
