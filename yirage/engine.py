@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from yirage.locks import ForkSafeRLock
+from yirage.log import working
 from yirage.models.config import ModelError, resolve_dtype
 from yirage.models.llama import LlamaModel
 from yirage.models.placement import Placement
@@ -322,11 +323,13 @@ class InferEngine:
         key = (tuple(eos_ids), tuple(sorted((sampling or {}).items())))
         decoder = self._decoders.get(key)
         if decoder is None:
-            decoder = self.model.build_decoder(self._step, self._tokens, backend=self.backend,
-                                               num_workers=self.num_workers,
-                                               num_local_schedulers=self.num_local_schedulers,
-                                               eos_token_id=list(eos_ids), sampling=sampling,
-                                               **({"tasks": self.tasks_per_layer} if self.tasks_per_layer else {}))
+            with working(f"compiling the {self.backend.name} decode kernel (first generate of this shape and "
+                         "sampling; later processes load it from the compile cache)"):
+                decoder = self.model.build_decoder(self._step, self._tokens, backend=self.backend,
+                                                   num_workers=self.num_workers,
+                                                   num_local_schedulers=self.num_local_schedulers,
+                                                   eos_token_id=list(eos_ids), sampling=sampling,
+                                                   **({"tasks": self.tasks_per_layer} if self.tasks_per_layer else {}))
             self._decoders[key] = decoder
         compile_s = time.perf_counter() - compile_start
         start = time.perf_counter()

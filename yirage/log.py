@@ -1,10 +1,16 @@
-"""yirage's logger, with its level taken from ``YIRAGE_LOG_LEVEL``."""
+"""yirage's logger, with its level taken from ``YIRAGE_LOG_LEVEL``, and ``working``: a progress line for long steps."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
+import threading
+import time
 import warnings
+from collections.abc import Iterator
+from typing import Any
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 ALIASES = {"WARN": "WARNING", "FATAL": "CRITICAL"}
@@ -42,3 +48,40 @@ class _FallbackHandler(logging.StreamHandler):
     def emit(self, record: logging.LogRecord) -> None:
         if not logging.getLogger().handlers:
             super().emit(record)
+
+
+@contextlib.contextmanager
+def working(what: str, stream: Any = None, every: float = 1.0, after: float = 2.0) -> Iterator[None]:
+    """Show ``what ... N s`` on a terminal while a long step with no progress of its own runs (a JIT compile).
+
+    Nothing is shown on a stream that is not a terminal (logs, CI) unless ``YIRAGE_PROGRESS=1``, nor for a step
+    shorter than ``after`` seconds (a warm cache), and ``YIRAGE_PROGRESS=0`` turns it off; the line is cleared
+    when the step ends, so the program's own output is unchanged. A daemon thread draws it: the step itself runs
+    on the caller's thread, as it would without the indicator.
+    """
+    stream = sys.stderr if stream is None else stream
+    setting = os.environ.get("YIRAGE_PROGRESS", "").strip()
+    shown = setting == "1" or (setting != "0" and bool(getattr(stream, "isatty", lambda: False)()))
+    if not shown:
+        yield
+        return
+    done = threading.Event()
+    start = time.monotonic()
+
+    def draw() -> None:
+        drawn = False
+        while not done.wait(after if not drawn else every):
+            stream.write(f"\r{what} ... {time.monotonic() - start:.0f} s")
+            stream.flush()
+            drawn = True
+        if drawn:
+            stream.write("\r" + " " * (len(what) + 12) + "\r")
+            stream.flush()
+
+    thread = threading.Thread(target=draw, name="yirage-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=1.0)
