@@ -240,3 +240,26 @@ def test_where_a_gpu_exists_the_megakernel_decodes_like_transformers() -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_a_batch_whose_shared_arrays_exceed_48_kib_is_refused_before_ptxas(built) -> None:
+    """ptxas adds up every task function's __shared__ arrays (it refused 83 KB at batch 64); the renderer says
+    so first, naming the launched runtime, and the cuda backend then uses that runtime with a warning."""
+    from yirage.models.config import LlamaConfig
+    from yirage.models.llama import LlamaModel
+
+    def program(batch: int):
+        config = LlamaConfig.from_dict({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                        "vocab_size": 96})
+        gen = torch.Generator().manual_seed(0)
+        model = LlamaModel(config, {n: torch.randn(s, generator=gen) for n, s in config.weight_shapes().items()})
+        model.reset_cache(batch, 8)
+        tokens, step = torch.zeros(batch, 8, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64)
+        return model.build_decoder(step, tokens, backend="reference").program
+
+    with pytest.raises(Exception, match=r"bytes of __shared__ memory .* YIRAGE_CUDA_PK_RUNTIME=launched"):
+        megakernel.render_megakernel(program(64))
+    fits = megakernel.render_megakernel(program(16))
+    assert megakernel._static_shared_bytes(fits.source) <= megakernel.SHARED_LIMIT
+    compile_cuda(fits.source, "sm_90", name="megakernel.cu", options=BUILD_OPTIONS)  # ptxas agrees

@@ -21,6 +21,7 @@ conformance kit) are the compile-only entry points for CI and yirage_backend_man
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -33,6 +34,8 @@ from yirage.compiler.cache import write_private
 from yirage_backend_cuda.check import DEFAULT_ARCHS, CheckFailure, CheckReport, check_conformance, compile_check
 from yirage_backend_cuda.languages import KernelLanguageError, choose, from_env, parse_kernel_languages
 from yirage_backend_cuda.nvrtc import BUILD_OPTIONS, CompileError, ToolchainError, compile_cuda, toolchain
+
+logger = logging.getLogger("yirage.cuda")
 
 __all__ = ["BUILD_OPTIONS", "CUDABackend", "CheckFailure", "CheckReport", "CompileError", "KernelLanguageError",
            "ToolchainError", "capturable", "check_conformance", "compile_check"]
@@ -86,7 +89,12 @@ class CUDABackend(yirage.Backend):
 
             device = program.tokens.device
             index = device.index if device.index is not None else torch.cuda.current_device()
-            return megakernel_runtime(program, config, index, lambda: torch.cuda.current_stream(index).cuda_stream)
+            try:
+                return megakernel_runtime(program, config, index,
+                                          lambda: torch.cuda.current_stream(index).cuda_stream)
+            except yirage.NotSupportedError as exc:  # this program or GPU: the launched runtime runs it, said so
+                logger.warning("the cuda megakernel cannot run this PersistentKernel (%s); using the launched "
+                               "runtime", exc)
         return cuda_runtime(program, config)
 
     def default_config(self, device: yirage.DeviceInfo) -> dict[str, int]:

@@ -25,14 +25,15 @@ number of the launched runtime's kernels per step; that (not HBM bandwidth) boun
 the next refinements are MPK's finer events per task and fusing layers without a barrier between them.
 
 Selected with ``YIRAGE_CUDA_PK_RUNTIME=megakernel`` (``launched`` is the default until a GPU run has checked this
-runtime; ``info`` and ``pk.config`` name the kind in use). The first step of a profiled run and ``pick`` use the
-launched kernels, built beside it.
+runtime; ``info`` and ``pk.config`` name the kind in use). A profiled run (per-task times need a launch per task)
+and ``pick`` use the launched kernels, built beside it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 import time
 import weakref
 from collections.abc import Callable
@@ -115,6 +116,11 @@ def render_megakernel(program: PersistentProgram, block: int = GROUP) -> MegaRen
     for x in tasks.step:
         if x.local > block:
             raise NotSupportedError(f"task {x.kernel} needs {x.local} threads, the megakernel's blocks have {block}")
+    shared = _static_shared_bytes(tasks.source)
+    if shared > SHARED_LIMIT:
+        raise NotSupportedError(f"the megakernel's task functions declare {shared} bytes of __shared__ memory in all "
+                                f"(ptxas adds up every function's arrays; a kernel may have {SHARED_LIMIT}): too many "
+                                f"distinct GEMV shapes at batch {program.batch}; use {RUNTIME_ENV}=launched")
     buffers: list[str] = []
     for x in (tasks.begin, *tasks.step):
         buffers += [a for a in x.args if a not in buffers]
@@ -150,6 +156,21 @@ def _phase(x: PKLaunch, block: int, tasks: PKRendered) -> list[str]:
     return [f"    {loop} {{ {call_} __syncthreads(); }}"]
 
 
+#: static __shared__ bytes one kernel may declare (every function it calls counts: ptxas does not overlap them)
+SHARED_LIMIT = 48 * 1024
+_SHARED_BYTES = {"float": 4, "int": 4, "unsigned int": 4, "double": 8, "long long": 8, "unsigned long long": 8}
+
+
+def _static_shared_bytes(source: str) -> int:
+    """The ``__shared__`` arrays the task functions declare, in bytes (each function's counted once)."""
+    total = 0
+    for ctype, count in re.findall(r"__shared__ ([a-z ]+?) \w+\[(\d+)\];", source):
+        if ctype not in _SHARED_BYTES:
+            raise NotSupportedError(f"a task function declares a __shared__ {ctype} array the megakernel cannot size")
+        total += _SHARED_BYTES[ctype] * int(count)
+    return total
+
+
 def _has_barrier(source: str, kernel: str) -> bool:
     start = source.index(f" {kernel}(")
     end = source.find("\n}\n", start)
@@ -177,10 +198,10 @@ class CudaMegakernelRuntime(CudaPersistentRuntime):
         if per_sm < 1:
             raise NotSupportedError(f"{KERNEL} cannot be resident on this GPU ({mega.block}-thread blocks: occupancy "
                                     "0); use YIRAGE_CUDA_PK_RUNTIME=launched")
-        resident = per_sm * sm_count
+        self.resident = per_sm * sm_count
         wanted = int(config.get("num_workers") or 0) or BLOCKS_PER_SM * sm_count
         #: thread blocks of the launch: as many as asked, never more than can be resident or have work
-        self.grid = max(1, min(wanted, resident, mega.widest))
+        self.grid = max(1, min(wanted, self.resident, mega.widest))
         self.bar = torch.zeros(2, dtype=torch.int32, device=self.device)
         self._host_stop = _MappedFlag(driver, mega_module)
         missing = [b for b in mega.buffers if b not in self.buffers]
@@ -207,42 +228,53 @@ class CudaMegakernelRuntime(CudaPersistentRuntime):
         self._host_stop.set(0)
         self.ctl.zero_()
         self.bar.zero_()
+        limit = max(0, limit)
         with shutdown.decoding(self):
+            fault = None
             try:
-                self._launch(max(0, limit))
+                self._launch(limit)
                 self._wait()
+            except DriverError as exc:  # the kernel faulted: that error, not torch's sticky echo of it in _sync
+                fault = exc
+                raise
+            except BaseException:  # Ctrl-C anywhere here: the kernel stops after its step, then we wait for it
+                self._host_stop.set(1)
+                raise
             finally:
-                self._sync()
+                if fault is None:
+                    self._sync()
         ctl = self.ctl.tolist()
-        if ctl[Ctl.ERROR]:
-            raise token_out_of_range(ctl[Ctl.ERR_ROW], ctl[Ctl.ERR_VALUE])
-        if self._stop:
+        steps = int(ctl[Ctl.STEPS])
+        if self._stop:  # the launched loop's order: a stop request first, then an error seen before a step
             shutdown.check_not_stopped()
-        return int(ctl[Ctl.STEPS])
+        if ctl[Ctl.ERROR] and steps < limit:
+            raise token_out_of_range(ctl[Ctl.ERR_ROW], ctl[Ctl.ERR_VALUE])
+        return steps
 
     def _launch(self, limit: int) -> None:
         driver = self.mega_module.driver
         with self.mega_module.current():
-            call(driver, f"cuLaunchCooperativeKernel({KERNEL}, {self.grid} blocks)",
-                 driver.cuLaunchCooperativeKernel(self._fn, self.grid, 1, 1, self.mega.block, 1, 1, 0, self._stream(),
-                                                  (self._args + (limit,), self._types)))
+            try:
+                call(driver, f"cuLaunchCooperativeKernel({KERNEL}, {self.grid} blocks)",
+                     driver.cuLaunchCooperativeKernel(self._fn, self.grid, 1, 1, self.mega.block, 1, 1, 0,
+                                                      self._stream(), (self._args + (limit,), self._types)))
+            except DriverError as exc:
+                raise DriverError(f"{exc}. The grid was {self.grid} blocks of {self.mega.block} threads (num_workers; "
+                                  f"at most {self.resident} resident on this GPU as the occupancy query said); pass "
+                                  f"fewer num_workers, or use {RUNTIME_ENV}=launched") from exc
 
     def _wait(self) -> None:
-        """Poll the stream so Ctrl-C lands here: it asks the kernel to stop after its step, waits, re-raises."""
+        """Poll the stream, so Ctrl-C lands in Python (``run`` then asks the kernel to stop after its step)."""
         driver = self.mega_module.driver
         not_ready = driver.CUresult.CUDA_ERROR_NOT_READY
-        try:
-            while True:
-                with self.mega_module.current():
-                    (status,) = driver.cuStreamQuery(self._stream())
-                if status != not_ready:
-                    if status != driver.CUresult.CUDA_SUCCESS:
-                        call(driver, f"{KERNEL} (cuStreamQuery)", (status,))
-                    return
-                time.sleep(POLL_S)
-        except KeyboardInterrupt:
-            self._host_stop.set(1)
-            raise
+        while True:
+            with self.mega_module.current():
+                (status,) = driver.cuStreamQuery(self._stream())
+            if status != not_ready:
+                if status != driver.CUresult.CUDA_SUCCESS:
+                    call(driver, f"{KERNEL} (cuStreamQuery)", (status,))
+                return
+            time.sleep(POLL_S)
 
 
 class _MappedFlag:
@@ -251,11 +283,11 @@ class _MappedFlag:
     def __init__(self, driver: Any, module: CudaModule) -> None:
         with module.current():
             host = call(driver, "cuMemHostAlloc", driver.cuMemHostAlloc(4, driver.CU_MEMHOSTALLOC_DEVICEMAP))
+            weakref.finalize(self, _free_host, driver, module, host)  # freed even if the next call fails
             self.device_pointer = int(call(driver, "cuMemHostGetDevicePointer",
                                            driver.cuMemHostGetDevicePointer(host, 0)))
         self._value = ctypes.c_int32.from_address(int(host))
         self._value.value = 0
-        weakref.finalize(self, _free_host, driver, module, host)
 
     def set(self, value: int) -> None:
         self._value.value = value
@@ -292,6 +324,7 @@ def _cooperative(index: int) -> bool:
     from yirage_backend_cuda.driver import _driver
 
     driver = _driver()
+    call(driver, "cuInit", driver.cuInit(0))
     device = call(driver, "cuDeviceGet", driver.cuDeviceGet(index))
     attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH
     return bool(call(driver, "cuDeviceGetAttribute", driver.cuDeviceGetAttribute(attr, device)))
