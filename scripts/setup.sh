@@ -28,5 +28,7 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # NVRTC 13.0 exactly (above): newer NVRTCs emit PTX that the ptxas 13.0 here, which re-checks it, rejects
 # the real model of the demo and the tests (SmolLM2-135M-Instruct, Q4_1 GGUF), fetched once into the cache
 .venv/bin/python -m yirage.models.downloads
+# numba compiles the cpu decode kernels once, here, instead of in the user's first generate (about 50 s on 2 cores)
+.venv/bin/python scripts/prewarm.py || echo "warning: pre-compiling the cpu decode kernels failed (above); the first generate will compile them"
 touch .venv/.installed
 echo "yirage is set up in .venv"
