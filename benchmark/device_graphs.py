@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -84,6 +85,28 @@ def sync(device: Any) -> None:
         torch.accelerator.synchronize(device)
 
 
+def time_interleaved(impls: dict[str, Callable[[], Any]], device: Any, calls: int) -> dict[str, float]:
+    """``{name}_us``: the median of ``calls`` timed calls of each implementation, interleaved call by call and each
+    synchronised on the device, after 3 warm-up rounds (cuBLAS handles, caches). The order is shuffled every round
+    (seeded): a call pays for what the call before it left behind (on a CPU, torch's OpenMP threads still spinning
+    for a while), so no implementation may always follow the same one."""
+    times: dict[str, list[float]] = {k: [] for k in impls}
+    for _ in range(3):
+        for fn in impls.values():
+            fn()
+    order = list(impls.items())
+    shuffle = random.Random(0).shuffle
+    for _ in range(calls):
+        shuffle(order)
+        for name, fn in order:
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append((time.perf_counter() - start) * 1e6)
+    return {f"{k}_us": statistics.median(v) for k, v in times.items() if v}
+
+
 def run_case(case: Case, backend: str, device: Any, calls: int, superoptimize: bool = False) -> dict[str, Any]:
     import torch
 
@@ -111,18 +134,7 @@ def run_case(case: Case, backend: str, device: Any, calls: int, superoptimize: b
         best = g.superoptimize(backend=backend, time_budget_s=30.0)
         row["superopt_plan"] = best.report.winner
         impls["superopt"] = lambda: best(inputs)
-    times: dict[str, list[float]] = {k: [] for k in impls}
-    for _ in range(3):  # warm-up: cuBLAS handles, caches
-        for fn in impls.values():
-            fn()
-    for _ in range(calls):
-        for name, fn in impls.items():
-            sync(device)
-            start = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append((time.perf_counter() - start) * 1e6)
-    row.update({f"{k}_us": statistics.median(v) for k, v in times.items()})
+    row.update(time_interleaved(impls, device, calls))
     row["torch_over_yirage"] = row["torch_us"] / row["yirage_us"]
     if superoptimize:
         row["torch_over_superopt"] = row["torch_us"] / row["superopt_us"]

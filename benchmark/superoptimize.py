@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from device_graphs import Case, cases, sync  # noqa: E402 - this directory's sibling
+from device_graphs import Case, cases, time_interleaved  # noqa: E402 - this directory's sibling
 
 
 def run(case: Case, backend: str, device: Any, calls: int, budget: float, fresh: bool) -> dict[str, Any]:
@@ -61,18 +61,7 @@ def run(case: Case, backend: str, device: Any, calls: int, budget: float, fresh:
         if not err <= 1e-3:
             row[f"{name}_error"] = f"wrong result: max |err| / max |want| = {err:.3g}"
             del impls[name]
-    times: dict[str, list[float]] = {k: [] for k in impls}
-    for _ in range(3):
-        for fn in impls.values():
-            fn()
-    for _ in range(calls):
-        for name, fn in impls.items():
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append((time.perf_counter() - t0) * 1e6)
-    row.update({f"{k}_us": statistics.median(v) for k, v in times.items() if v})
+    row.update(time_interleaved(impls, device, calls))
     return row
 
 

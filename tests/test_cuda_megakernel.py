@@ -14,10 +14,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import re
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,7 +23,7 @@ import torch
 pytest.importorskip("cuda.bindings", reason="the CUDA backend's tests need cuda-bindings")
 
 from test_cuda_launch import FakeDriver  # noqa: E402
-from test_cuda_pk_runtime import STREAM, _program  # noqa: E402
+from test_cuda_pk_runtime import GPU, STREAM, _program, run_on_gpu  # noqa: E402
 from yirage_backend_cuda import megakernel  # noqa: E402
 from yirage_backend_cuda.driver import CudaModule  # noqa: E402
 from yirage_backend_cuda.nvrtc import BUILD_OPTIONS, ToolchainError, compile_cuda, toolchain  # noqa: E402
@@ -213,11 +210,6 @@ def test_the_runtime_is_chosen_by_its_environment_variable(monkeypatch) -> None:
         megakernel.selected_runtime()
 
 
-GPU = pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.version.cuda and not torch.version.hip),
-    reason="needs an NVIDIA GPU and a CUDA build of torch (this machine checks the megakernel's source and launch)")
-
-
 @GPU
 def test_where_a_gpu_exists_the_megakernel_decodes_like_transformers() -> None:
     code = textwrap.dedent("""
@@ -237,9 +229,7 @@ def test_where_a_gpu_exists_the_megakernel_decodes_like_transformers() -> None:
             assert torch.equal(free.tokens, stepped.tokens), (free.tokens, stepped.tokens)
         print("ok")
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    run_on_gpu(code)
 
 
 def test_a_batch_whose_shared_arrays_exceed_48_kib_is_refused_before_ptxas(built) -> None:

@@ -156,6 +156,12 @@ def test_where_a_gpu_exists_cuda_decodes_like_transformers() -> None:
             assert torch.equal(again.tokens, result.tokens)  # the replayed CUDA graph decodes the same
         print("ok")
     """)
+    run_on_gpu(code)
+
+
+def run_on_gpu(code: str) -> None:
+    """``code`` in a fresh interpreter at the repository root (a GPU fault cannot take the test run with it); it
+    must print "ok"."""
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]

@@ -7,10 +7,11 @@ schedule knobs declared by backends (tile sizes, work splits) are the next dimen
 
 Each candidate is compiled on the target backend and **verified before it is timed**: it runs on seeded random
 inputs (valid ids and lengths for embedding and attention inputs) and every output is compared with the graph
-evaluated in float64 by torch (``yirage.testing.oracle``, the conformance kit's tolerances). A candidate that fails
-is never timed or chosen. The verified ones are timed on the target device in interleaved rounds (warm-up first,
-then ``profile_iters`` calls per round, the device synchronized around each batch); a candidate replaces the
-current best only when its median beats it by more than the best's own spread (and at least 2%), so noise does
+evaluated in float64 by torch (``yirage.reference.verify``, the conformance kit's tolerances). A candidate that
+fails is never timed or chosen. The verified ones are timed on the target device in interleaved rounds, their
+order shuffled each round (warm-up first, then ``profile_iters`` calls per round, the device synchronized around
+each batch); a candidate replaces the current best only when its median beats it by more than the best's own
+spread (and at least 2%), so noise does
 not pick a winner. The default fusion is the first candidate and wins ties.
 
 The winner is cached in the compile cache (``<cache>/superopt/<key>.json``, written privately and atomically),
@@ -25,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import statistics
 import time
 from collections.abc import Sequence
@@ -237,8 +239,11 @@ def _time(verified: list[tuple[FusionPolicy, Any, Trial]], inputs: list[Any], ba
             exe(inputs)
     sync()
     samples: dict[str, list[float]] = {policy.name: [] for policy, _, _ in verified}
+    order = list(verified)
+    shuffle = random.Random(0).shuffle  # a batch pays for what the one before it left: vary who goes before whom
     for _ in _progress(range(rounds), "superoptimize: time"):
-        for policy, exe, _ in verified:
+        shuffle(order)
+        for policy, exe, _ in order:
             start = time.perf_counter()
             for _ in range(iters):
                 exe(inputs)

@@ -302,16 +302,7 @@ class _Renderer:
             with emit.block(f"for ({d.index_type} l = lid; l < {length}; l += {local}) {{"):
                 emit(f"p_{red.var} = {combine(f'p_{red.var}', self.expr(red.expr, load, ct))};")
             emit("}")
-            emit(f"red[lid] = p_{red.var};")
-            emit(d.barrier)
-            with emit.block(f"for (int h = {local // 2}; h > 0; h >>= 1) {{"):
-                with emit.block("if (lid < h) {"):
-                    emit(f"red[lid] = {combine('red[lid]', 'red[lid + h]')};")
-                emit("}")
-                emit(d.barrier)
-            emit("}")
-            emit(f"{t} v_{red.var} = red[0];")
-            emit(d.barrier)  # red is reused by the next reduction
+            self._group_reduce(f"p_{red.var}", local, combine, into=f"{t} v_{red.var}")
         if k.per_row:
             out_dims = tuple(1 if i == k.axis else x for i, x in enumerate(k.space))
             out_off = indexing.offset(ridx, [s for i, s in enumerate(contiguous_strides(out_dims)) if i != k.axis],
@@ -430,8 +421,9 @@ class _Renderer:
         emit("}")
         self.close()
 
-    def _group_reduce(self, var: str, local: int, combine: Callable[[str, str], str]) -> None:
-        """``var`` := ``combine`` of every thread's ``var`` (a local-memory tree over ``red``; ``red`` free after)."""
+    def _group_reduce(self, var: str, local: int, combine: Callable[[str, str], str], into: str | None = None) -> None:
+        """``into`` (default ``var``) := ``combine`` of every thread's ``var``: a local-memory tree over ``red``,
+        free again after (row kernels and attention share it)."""
         emit, d = self.emit, self.d
         emit(f"red[lid] = {var};")
         emit(d.barrier)
@@ -441,7 +433,7 @@ class _Renderer:
             emit("}")
             emit(d.barrier)
         emit("}")
-        emit(f"{var} = red[0];")
+        emit(f"{into or var} = red[0];")
         emit(d.barrier)  # red is reused by the next reduction
 
     def render(self) -> Rendered:
