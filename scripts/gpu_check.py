@@ -1,8 +1,9 @@
 """The whole GPU state of yirage in one command: ``make gpu-check`` (a person with one NVIDIA GPU runs it).
 
 Without a GPU it runs its compile-only part (every conformance-kit plan and every PersistentKernel source of the
-CUDA runtimes, the resident megakernel's included, through NVRTC and ptxas for sm_80 and sm_90) and says that the
-rest needs a GPU; CI runs that part. With a GPU:
+CUDA runtimes, the resident megakernel's included, through NVRTC and ptxas for sm_80 and sm_90; the PersistentKernel
+sources must not spill a register, and ``ptxas -v``'s largest register count is printed) and says that the rest needs a
+GPU; CI runs that part. With a GPU:
 
 1. in parallel (nothing here is timed), in two waves: the compile-only part, the conformance kit on ``cuda`` and
    on ``triton`` (pytest-xdist), the LLM tests on the GPU backends and ``auto``'s choice; then the GPU-only test

@@ -210,6 +210,41 @@ def test_compile_check_counts_every_source_and_arch_and_lists_failures() -> None
         compile_check(sources, "sm_80")
 
 
+SPILLS = """\
+extern "C" __global__ void __launch_bounds__(1024, 2) spills(const float* __restrict__ x, float* __restrict__ y) {
+    float v[40];
+#pragma unroll
+    for (int i = 0; i < 40; i++) v[i] = x[threadIdx.x + i * 1024];
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 40; i++) s += v[i] * v[39 - i];
+#pragma unroll
+    for (int i = 0; i < 40; i++) y[threadIdx.x + i * 1024] = v[i] * s;
+}
+"""
+
+
+def test_no_spills_fails_a_kernel_that_spills_and_reports_registers() -> None:
+    """40 values live at once under a 32-register cap (1024 threads, 2 blocks per SM) must spill; the pointwise
+    kernel must not. ptxas -v is the oracle; its log is parsed by ``resources.parse``."""
+    from yirage_backend_cuda.resources import demangle, parse
+
+    if why := _ptxas_usable():
+        pytest.skip(why)
+    report = compile_check({"pointwise": POINTWISE, "spills": SPILLS}, ("sm_90",), no_spills=True)
+    assert [(f.name, f.kinds) for f in report.failures] == [("spills", ("spill",))]
+    assert "spills" in report.failures[0].message and "bytes stored" in report.failures[0].message
+    assert {r.function for _, _, r in report.resources} >= {"spills"}
+    assert "registers" in report.summary() and "1 functions spill" in report.summary()
+    assert compile_check({"spills": SPILLS}, ("sm_90",)).ok, "spills are checked only when asked"
+    assert demangle("_ZN39_INTERNAL_00000000_9_kernel_cu_0062ca388y_gemv_3EPfPKfPK13__nv_bfloat16xx") == "y_gemv_3"
+    log = ("ptxas info    : Compiling entry function 'k' for 'sm_90'\nptxas info    : Function properties for k\n"
+           "    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n"
+           "ptxas info    : Used 40 registers, used 1 barriers\n")
+    (k,) = parse(log)
+    assert (k.function, k.registers, k.stack, k.spill_stores, k.spill_loads, k.spills) == ("k", 40, 8, 4, 4, True)
+
+
 class _HandWritten(CUDABackend):
     """The CUDA backend with a fixed source, so the cache path is tested apart from the renderer."""
 

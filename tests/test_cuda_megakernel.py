@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import re
+import shutil
 import textwrap
 from typing import Any
 
@@ -232,9 +233,15 @@ def test_where_a_gpu_exists_the_megakernel_decodes_like_transformers() -> None:
     run_on_gpu(code)
 
 
-def test_a_batch_whose_shared_arrays_exceed_48_kib_is_refused_before_ptxas(built) -> None:
+def test_a_batch_whose_shared_arrays_exceed_48_kib_is_refused_before_ptxas(built, monkeypatch) -> None:
     """ptxas adds up every task function's __shared__ arrays (it refused 83 KB at batch 64); the renderer says
-    so first, naming the launched runtime, and the cuda backend then uses that runtime with a warning."""
+    so first, naming the launched runtime, and the cuda backend then uses that runtime with a warning. The GEMVs
+    reduce by warp shuffles and declare no __shared__ array, so batch 64 now fits (and compiles without spills);
+    with the local-memory tree GEMV (a dialect without shuffles) it does not, and is refused."""
+    from dataclasses import replace
+
+    from yirage_backend_cuda.resources import ptxas_resources
+
     from yirage.models.config import LlamaConfig
     from yirage.models.llama import LlamaModel
 
@@ -248,8 +255,17 @@ def test_a_batch_whose_shared_arrays_exceed_48_kib_is_refused_before_ptxas(built
         tokens, step = torch.zeros(batch, 8, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64)
         return model.build_decoder(step, tokens, backend="reference").program
 
-    with pytest.raises(Exception, match=r"bytes of __shared__ memory .* YIRAGE_CUDA_PK_RUNTIME=launched"):
-        megakernel.render_megakernel(program(64))
-    fits = megakernel.render_megakernel(program(16))
+    wide = program(64)
+    fits = megakernel.render_megakernel(wide)
+    assert "__shfl_xor_sync" in fits.source
     assert megakernel._static_shared_bytes(fits.source) <= megakernel.SHARED_LIMIT
-    compile_cuda(fits.source, "sm_90", name="megakernel.cu", options=BUILD_OPTIONS)  # ptxas agrees
+    ptx = compile_cuda(fits.source, "sm_90", name="megakernel.cu", options=BUILD_OPTIONS).ptx  # ptxas agrees
+    if shutil.which("ptxas"):
+        assert not [r for r in ptxas_resources(ptx, "sm_90") if r.spills or "gemv" in r.function and r.stack], \
+            "a GEMV's acc[64] must stay in registers"
+    monkeypatch.setattr(megakernel, "TASK_DIALECT", replace(megakernel.TASK_DIALECT, shuffle_xor=""))
+    with pytest.raises(Exception, match=r"bytes of __shared__ memory .* YIRAGE_CUDA_PK_RUNTIME=launched"):
+        megakernel.render_megakernel(wide)
+    tree = megakernel.render_megakernel(program(16))
+    assert megakernel._static_shared_bytes(tree.source) <= megakernel.SHARED_LIMIT
+    compile_cuda(tree.source, "sm_90", name="megakernel.cu", options=BUILD_OPTIONS)

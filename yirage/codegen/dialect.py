@@ -27,6 +27,23 @@ FLOAT_ONLY = frozenset({"exp", "silu", "sqrt", "pow", "gelu", "div"})
 
 
 @dataclass(frozen=True)
+class WideLoad:
+    """One load of ``width`` consecutive elements of a dtype, widened to float32 element by element.
+
+    ``load`` is a statement declaring ``{o}`` from the elements of pointer ``{p}`` starting at element ``{i}``;
+    ``elements[j]`` spells element ``j`` of ``{o}`` as a float32 expression. ``align`` is the byte alignment
+    the load's address needs (0: element alignment is enough, as OpenCL's ``vloadn``); the renderer tests a
+    buffer's base address with ``Dialect.aligned`` at run time and falls back to scalar loads where it fails.
+    ``align`` must divide ``width`` x the element's bytes, so every load of an aligned row is aligned too.
+    """
+
+    width: int
+    load: str
+    elements: tuple[str, ...]
+    align: int = 0
+
+
+@dataclass(frozen=True)
 class Dialect:
     """Spellings of one C-family language; ``functions`` is derived from ``math``.
 
@@ -70,6 +87,14 @@ class Dialect:
     #: a work-group barrier that also orders the group's global-memory writes before its later reads ("" = the
     #: dialect has none); CUDA's ``__syncthreads`` does both, OpenCL and Metal name the global fence
     barrier_global: str = ""
+    #: a register exchange inside a slice of ``shuffle_width`` consecutive threads that run in lockstep: the value
+    #: ``{v}`` of the slice's thread whose lane differs in the bits of ``{m}`` ("" = none: a reduction goes through
+    #: local memory with a barrier per level). Every thread of the slice must reach it.
+    shuffle_xor: str = ""
+    shuffle_width: int = 0
+    #: dtype -> its wide load (GEMV weights and activations: one 16-byte load instead of 4 or 8 scalar ones)
+    wide_loads: Mapping[str, WideLoad] = field(default_factory=dict)
+    aligned: str = ""  # true when pointer {p} is a multiple of {n} bytes (needed by a WideLoad with align > 0)
 
     @property
     def functions(self) -> frozenset[str]:

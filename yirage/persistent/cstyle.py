@@ -10,8 +10,9 @@ buffer per step. Layers are read through their descriptor rows (the named
 columns of ``yirage.persistent.specs``), shapes are baked in as constants,
 and layers with equal shapes and dtypes share one kernel.
 
-Work split: GEMV layers run one work-group per output column (threads split
-the reduction, every batch row at once); RMSNorm one work-group per row;
+Work split: GEMV layers run a slice of a work-group's threads per output
+row, every batch row at once (``cstyle_gemv``: wide coalesced loads, warp
+shuffles where the dialect has them); RMSNorm one work-group per row;
 attention one work-group per query head (its threads split the cached
 positions, then the head's columns) after a kernel that rotates and stores
 the new key/value; argmax one work-group per row; sampling one work-item
@@ -31,7 +32,7 @@ import numpy as np
 from yirage.codegen.dialect import Dialect
 from yirage.codegen.emit import Emitter
 from yirage.errors import NotSupportedError
-from yirage.persistent import control, cstyle_sample
+from yirage.persistent import control, cstyle_gemv, cstyle_sample
 from yirage.persistent.control import Ctl, CtlError
 from yirage.persistent.cstyle_buffers import CTL, SCORES, STEP, XS, PKLaunch, tensor_name
 from yirage.persistent.program import PersistentProgram
@@ -40,7 +41,6 @@ from yirage.persistent.specs import FloatCol, IntCol
 
 RENDERER_VERSION = "1"
 GROUP = 64  # work-group size of GEMV, norm and argmax kernels (a power of two)
-MAX_LOCAL_FLOATS = 4096  # a GEMV's partial sums: GROUP x batch floats of local memory at most
 
 
 
@@ -222,69 +222,8 @@ class _Renderer:
         return self.kernel("y_rmsnorm", params, body, self.p.batch, g, i)
 
     def gemv(self, i: int, x: str, k: int, weight: str, bias: str | None, residual: str | None) -> PKLaunch:
-        """out[b, n] = x[b] . W[n] (+ bias[n]) (+ residual[b, n]).
-
-        With ``lanes`` (CPU devices): one work-item per output column, ``lanes`` independent partial sums
-        over contiguous weights (the compiler may vectorize them without reassociating anything). Else
-        one work-group per column, its threads splitting the reduction (coalesced loads on a GPU).
-        """
-        batch, n = self.p.batch, self.col(i, IntCol.N)
-        f32, it = self.f32, self.it
-        if self.lanes:
-            lanes = self.lanes
-            body = [
-                f"{it} n = {self.ids()[0]};", f"if (n >= {n}) return;",
-                f"{f32} acc[{batch * lanes}];",
-                f"for (int q = 0; q < {batch * lanes}; q++) acc[q] = {self.f(0)};",
-                f"{it} c = 0;",
-                f"for (; c + {lanes} <= {k}; c += {lanes}) {{",
-                f"    for (int u = 0; u < {lanes}; u++) {{",
-                f"        {f32} wv = READ(w, n * {k} + c + u);",
-                f"        for (int b = 0; b < {batch}; b++) acc[b * {lanes} + u] = acc[b * {lanes} + u] + "
-                f"x[b * {k} + c + u] * wv;",
-                "    }",
-                "}",
-                f"for (; c < {k}; c++) {{",
-                f"    {f32} wv = READ(w, n * {k} + c);",
-                f"    for (int b = 0; b < {batch}; b++) acc[b * {lanes}] = acc[b * {lanes}] + x[b * {k} + c] * wv;",
-                "}",
-                "{",
-                f"    for (int b = 0; b < {batch}; b++) {{",
-                f"        {f32} s = {self.f(0)};",
-                f"        for (int u = 0; u < {lanes}; u++) s = s + acc[b * {lanes} + u];",
-            ]
-            groups, local = -(-n // GROUP), GROUP
-        else:
-            g = self.group
-            while g > 1 and g * batch > MAX_LOCAL_FLOATS:
-                g //= 2
-            _, grp, lid = self.ids()
-            body = [
-                f"{self.d.local} {f32} red[{g * batch}];",
-                f"{it} n = {grp};", f"{it} lid = {lid};",
-                f"{f32} acc[{batch}];",
-                f"for (int b = 0; b < {batch}; b++) acc[b] = {self.f(0)};",
-                f"for ({it} c = lid; c < {k}; c += {g}) {{",
-                f"    {f32} wv = READ(w, n * {k} + c);",
-                f"    for (int b = 0; b < {batch}; b++) acc[b] = acc[b] + x[b * {k} + c] * wv;",
-                "}",
-                f"for (int b = 0; b < {batch}; b++) red[b * {g} + lid] = acc[b];",
-                *self.tree(g, [f"for (int b = 0; b < {batch}; b++) red[b * {g} + lid] = red[b * {g} + lid] + "
-                               f"red[b * {g} + lid + h];"]),
-                "if (lid == 0) {",
-                f"    for (int b = 0; b < {batch}; b++) {{",
-                f"        {f32} s = red[b * {g}];",
-            ]
-            groups, local = n, g
-        params = [("out", tensor_name(self.col(i, IntCol.OUTPUT)), True), ("x", x, False), ("w", weight, False)]
-        if bias is not None:
-            body.append("        s = s + READ(bias, n);")
-            params.append(("bias", bias, False))
-        if residual is not None:
-            body.append(f"        s = s + res[b * {n} + n];")
-            params.append(("res", residual, False))
-        body += [f"        out[b * {n} + n] = s;", "    }", "}"]
-        return self.kernel("y_gemv", params, body, groups, local, i)
+        """out[b, n] = x[b] . W[n] (+ bias[n]) (+ residual[b, n]): see ``cstyle_gemv``."""
+        return cstyle_gemv.gemv(self, i, x, k, weight, bias, residual)
 
     def rmsnorm_linear(self, i: int) -> list[PKLaunch]:
         k = self.col(i, IntCol.K)
@@ -466,7 +405,7 @@ def render_persistent(program: PersistentProgram, dialect: Dialect, group: int =
     """The program's kernels in ``dialect`` and one step's launch order (see the module docstring).
 
     ``group`` is the work-group size of the reducing kernels (a power of two; a device's limit may need
-    less). ``lanes`` > 0 picks the GEMV layout for CPU devices (see ``_Renderer.gemv``).
+    less). ``lanes`` > 0 picks the GEMV layout for CPU devices (see ``cstyle_gemv``).
     """
     if group < 1 or group & (group - 1):
         raise ValueError(f"group must be a power of two >= 1, got {group}")

@@ -22,6 +22,7 @@ from typing import Any
 from yirage.errors import YirageError
 from yirage_backend_cuda.cubin import CubinError, inspect_cubin
 from yirage_backend_cuda.nvrtc import BUILD_OPTIONS, CompileError, PtxasMode, check_arch, compile_cuda, toolchain
+from yirage_backend_cuda.resources import Resources, ptxas_resources
 
 DEFAULT_ARCHS = ("sm_80", "sm_90")
 RECORD_ENV = "YIRAGE_CUDA_RECORD_DIR"  # where record_plans writes the sources it renders
@@ -51,10 +52,23 @@ class CheckReport:
     ptxas_verified: int
     failures: tuple[CheckFailure, ...] = ()
     notes: tuple[str, ...] = field(default=())  # distinct reasons ptxas did not run
+    #: (source, arch, function resources) of every compile, where ``no_spills`` asked ptxas -v for them
+    resources: tuple[tuple[str, str, Resources], ...] = field(default=())
 
     @property
     def ok(self) -> bool:
         return not self.failures
+
+    def registers(self) -> str:
+        """The most registers an entry function uses, per arch, and where (empty without ``resources``)."""
+        lines = []
+        for arch in self.archs:
+            used = [(r.registers, name, r.function) for name, a, r in self.resources if a == arch and r.registers]
+            if used:
+                most = max(used)
+                lines.append(f"{arch}: at most {most[0]} registers ({most[2]} in {most[1]}), "
+                             f"{sum(r.spills for _, a, r in self.resources if a == arch)} functions spill")
+        return "; ".join(lines)
 
     def summary(self) -> str:
         """One line for CI logs, then one line per failure."""
@@ -62,12 +76,15 @@ class CheckReport:
         lines = [f"cuda compile-only ({self.toolchain}, {', '.join(self.archs)}): {self.compiled}/{total} compiled, "
                  f"{self.ptxas_verified} verified by ptxas, {len(self.failures)} failed"]
         lines += [f"  note: {n}" for n in self.notes]
+        if self.resources:
+            lines.append(f"  ptxas -v: {self.registers()}")
         lines += [f"  FAIL {f.name} [{f.arch}]: {f.message.splitlines()[0]}" for f in self.failures]
         return "\n".join(lines)
 
 
 def compile_check(sources: Mapping[str, str], archs: Sequence[str] = DEFAULT_ARCHS, *,
-                  options: tuple[str, ...] = (), ptxas: PtxasMode = "auto", workers: int | None = None) -> CheckReport:
+                  options: tuple[str, ...] = (), ptxas: PtxasMode = "auto", workers: int | None = None,
+                  no_spills: bool = False) -> CheckReport:
     """Compile every source in ``sources`` ({name: CUDA C}) for every arch in ``archs`` and report the outcome.
 
     A source fails when NVRTC errors or warns, when ptxas rejects its PTX, or when
@@ -75,6 +92,8 @@ def compile_check(sources: Mapping[str, str], archs: Sequence[str] = DEFAULT_ARC
     (rendered plans: ``yirage_backend_cuda.BUILD_OPTIONS``, what the backend builds with).
     ``workers`` threads compile at once (default: one per CPU; NVRTC is thread-safe and
     releases the GIL); failures are listed in the order of ``sources`` and ``archs``.
+    ``no_spills`` also assembles each PTX with ``ptxas -v`` (``resources``): a function that spills fails its
+    source, and the report keeps every function's registers.
     Missing NVRTC raises ToolchainError (nothing can be checked); an unknown arch raises
     before anything compiles.
     """
@@ -85,6 +104,8 @@ def compile_check(sources: Mapping[str, str], archs: Sequence[str] = DEFAULT_ARC
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ValueError(f"workers={workers!r} must be a positive int, or None for one per CPU")
     jobs = [(name, source, arch) for name, source in sources.items() for arch in archs]
+
+    used: list[tuple[str, str, Resources]] = []
 
     def one(job: tuple[str, str, str]) -> CheckFailure | str:
         name, source, arch = job
@@ -98,6 +119,17 @@ def compile_check(sources: Mapping[str, str], archs: Sequence[str] = DEFAULT_ARC
             return CheckFailure(name, arch, str(exc), exc.kinds)
         except CubinError as exc:
             return CheckFailure(name, arch, str(exc))
+        if no_spills and result.ptxas.startswith("verified"):  # else the note says why ptxas did not run
+            try:
+                functions = ptxas_resources(result.ptx, arch)
+            except (FileNotFoundError, RuntimeError) as exc:
+                return CheckFailure(name, arch, f"the register/spill check (ptxas -v) failed: {exc}")
+            used.extend((name, arch, r) for r in functions)
+            spilled = [r for r in functions if r.spills]
+            if spilled:
+                return CheckFailure(name, arch, "ptxas -v: " + "; ".join(
+                    f"{r.function} spills {r.spill_stores} bytes stored, {r.spill_loads} loaded" for r in spilled)
+                    + ". A spill puts local memory in the loop; render fewer values live at once", ("spill",))
         return result.ptxas
 
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
@@ -106,7 +138,9 @@ def compile_check(sources: Mapping[str, str], archs: Sequence[str] = DEFAULT_ARC
     passed = [o for o in outcomes if isinstance(o, str)]
     verified = sum(o.startswith("verified") for o in passed)
     notes = tuple(dict.fromkeys(o for o in passed if not o.startswith("verified")))
-    return CheckReport(tools.describe(), archs, len(passed), verified, failures, notes)
+    order = {(name, arch): i for i, (name, _, arch) in enumerate(jobs)}
+    used.sort(key=lambda u: order[u[0], u[1]])
+    return CheckReport(tools.describe(), archs, len(passed), verified, failures, notes, tuple(used))
 
 
 def conformance_sources(*, timeout: float = 900) -> dict[str, str]:
@@ -214,5 +248,5 @@ def persistent_sources() -> dict[str, str]:
 
 def check_persistent(archs: Sequence[str] = DEFAULT_ARCHS, *, workers: int | None = None) -> CheckReport:
     """``compile_check`` of the cuda PersistentKernel runtime's sources (``persistent_sources``), with the build
-    options it uses: the PersistentKernel half of the compile-only CUDA check."""
-    return compile_check(persistent_sources(), archs, options=BUILD_OPTIONS, workers=workers)
+    options it uses and no spills allowed: the PersistentKernel half of the compile-only CUDA check."""
+    return compile_check(persistent_sources(), archs, options=BUILD_OPTIONS, workers=workers, no_spills=True)

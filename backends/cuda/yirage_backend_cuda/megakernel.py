@@ -56,7 +56,9 @@ RUNTIME_ENV = "YIRAGE_CUDA_PK_RUNTIME"
 RUNTIMES = ("launched", "megakernel")
 KERNEL = "y_megakernel"
 SOURCE_NAME = "megakernel.cu"
-#: resident blocks per SM by default (64-thread blocks: 8 give each SM 16 warps to keep loads in flight)
+#: resident blocks per SM by default (64-thread blocks: 8 give each SM 16 warps to keep loads in flight). Every task
+#: body runs in blocks of GROUP threads: a GEMV's are GROUP / 32 warps, one output row each (cstyle_gemv), reduced by
+#: shuffles, so the GEMVs declare no __shared__ memory at any batch
 BLOCKS_PER_SM = 8
 #: how long the host sleeps between polls of a running decode (Ctrl-C lands within one poll)
 POLL_S = 0.0002
@@ -119,8 +121,8 @@ def render_megakernel(program: PersistentProgram, block: int = GROUP) -> MegaRen
     shared = _static_shared_bytes(tasks.source)
     if shared > SHARED_LIMIT:
         raise NotSupportedError(f"the megakernel's task functions declare {shared} bytes of __shared__ memory in all "
-                                f"(ptxas adds up every function's arrays; a kernel may have {SHARED_LIMIT}): too many "
-                                f"distinct GEMV shapes at batch {program.batch}; use {RUNTIME_ENV}=launched")
+                                f"(ptxas adds up every function's arrays; a kernel may have {SHARED_LIMIT}) at batch "
+                                f"{program.batch}; use {RUNTIME_ENV}=launched")
     buffers: list[str] = []
     for x in (tasks.begin, *tasks.step):
         buffers += [a for a in x.args if a not in buffers]
@@ -152,7 +154,9 @@ def _phase(x: PKLaunch, block: int, tasks: PKRendered) -> list[str]:
         call_ = f"if (threadIdx.x < {x.local}) {call_}"
     # the barrier after each virtual block: the next one's threads must not overwrite shared memory (a reduction's
     # red[0]) that a slower thread of this one still reads
-    loop = f"for (long long y_vg = blockIdx.x; y_vg < {x.groups}; y_vg += gridDim.x)"
+    # an int loop counter (a layer has fewer than 2**31 virtual blocks): with a long long one ptxas spilled a
+    # register of this kernel across the task calls on sm_90 (ptxas -v; the compile-only check refuses spills)
+    loop = f"for (int y_vg = blockIdx.x; y_vg < {x.groups}; y_vg += gridDim.x)"
     return [f"    {loop} {{ {call_} __syncthreads(); }}"]
 
 

@@ -99,7 +99,7 @@ class OpenCLPersistentRuntime:
         dev = device()
         self.ctx, _ = context()
         self.zero_copy = bool(dev.host_unified_memory) if zero_copy is None else zero_copy
-        if lanes is None:  # CPU: a GEMV column per work-item, else a work-group per column (see _Renderer.gemv)
+        if lanes is None:  # CPU: a GEMV column per work-item, else a slice of a work-group per row (cstyle_gemv)
             lanes = LANES if dev.type & cl.device_type.CPU else 0
         self.rendered = render_persistent(program, DIALECT, _group(dev), lanes)
         built = _built(cl, self.ctx, self.rendered.source)

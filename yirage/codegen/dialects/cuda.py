@@ -1,6 +1,18 @@
 """CUDA C++ spellings (NVRTC: no headers; compile with --fmad=false for IEEE pointwise results)."""
 
-from yirage.codegen.dialect import Dialect
+from yirage.codegen.dialect import Dialect, WideLoad
+
+_WORDS = ("x", "y", "z", "w")
+#: 16-byte loads (a uint4 holds 8 bfloat16/float16, low half first: CUDA is little-endian); widening is exact
+WIDE_LOADS = {
+    "float32": WideLoad(4, "const float4 {o} = *(const float4*)({p} + {i});", tuple(f"{{o}}.{c}" for c in _WORDS), 16),
+    "bfloat16": WideLoad(8, "const uint4 {o} = *(const uint4*)({p} + {i});", tuple(
+        e for c in _WORDS for e in (f"__uint_as_float({{o}}.{c} << 16)", f"__uint_as_float({{o}}.{c} & 0xffff0000u)")),
+        16),
+    "float16": WideLoad(8, "const uint4 {o} = *(const uint4*)({p} + {i});", tuple(
+        e for c in _WORDS for e in (f"__half2float(__ushort_as_half((unsigned short)({{o}}.{c} & 0xffffu)))",
+                                    f"__half2float(__ushort_as_half((unsigned short)({{o}}.{c} >> 16)))")), 16),
+}
 
 CUDA_IDS = {"global": "((long long)blockIdx.x * blockDim.x + threadIdx.x)", "group": "blockIdx.x",
             "local": "threadIdx.x", "local_size": "blockDim.x"}
@@ -24,4 +36,6 @@ DIALECT = Dialect(
     narrow={"float16": ("__half", "__half2float({p}[{i}])", "{p}[{i}] = __float2half_rn({v})"),
             "bfloat16": ("__nv_bfloat16", "__bfloat162float({p}[{i}])", "{p}[{i}] = __float2bfloat16_rn({v})")},
     narrow_helpers={"float16": "#include <cuda_fp16.h>", "bfloat16": "#include <cuda_bf16.h>"},
+    shuffle_xor="__shfl_xor_sync(0xffffffffu, {v}, {m})", shuffle_width=32,
+    wide_loads=WIDE_LOADS, aligned="(((unsigned long long)({p})) % {n} == 0)",
 )

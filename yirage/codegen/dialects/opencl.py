@@ -1,6 +1,15 @@
 """OpenCL C spellings. FP_CONTRACT is off: an FMA would keep an overflowing product finite."""
 
-from yirage.codegen.dialect import Dialect
+from yirage.codegen.dialect import Dialect, WideLoad
+
+_LANES = tuple(f"s{j}" for j in range(8))
+#: vloadn needs only element alignment, so no run-time address test; bfloat16 widens by its bits, exactly
+WIDE_LOADS = {
+    "float32": WideLoad(4, "const float4 {o} = vload4(0, {p} + {i});", tuple(f"{{o}}.{c}" for c in _LANES[:4])),
+    "bfloat16": WideLoad(8, "const ushort8 {o} = vload8(0, {p} + {i});",
+                         tuple(f"as_float((uint){{o}}.{c} << 16)" for c in _LANES)),
+    "float16": WideLoad(8, "const float8 {o} = vload_half8(0, {p} + {i});", tuple(f"{{o}}.{c}" for c in _LANES)),
+}
 
 DIALECT = Dialect(
     name="opencl",
@@ -23,4 +32,5 @@ DIALECT = Dialect(
             "bfloat16": ("ushort", "as_float((uint){p}[{i}] << 16)", "{p}[{i}] = y_to_bf16({v})")},
     narrow_helpers={"bfloat16": "inline ushort y_to_bf16(float f) { uint u = as_uint(f); return f != f ? "
                                 "(ushort)0x7fc0 : (ushort)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }"},
+    wide_loads=WIDE_LOADS,
 )
