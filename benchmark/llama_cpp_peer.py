@@ -113,18 +113,29 @@ def _unpack_sdist(tmp: Path, version: str) -> Path:
     return roots[0] / "vendor" / "llama.cpp"
 
 
+BINARIES = ("llama-bench", "llama-batched-bench")  # one sequence's pp/tg; concurrent sequences (-npl)
+
+
 def llama_bench_path(version: str = LLAMA_CPP_PYTHON) -> Path:
     """The cached ``llama-bench`` binary, built from llama-cpp-python's vendored llama.cpp on first use."""
+    return llama_binary("llama-bench", version)
+
+
+def llama_binary(name: str, version: str = LLAMA_CPP_PYTHON) -> Path:
+    """The cached llama.cpp tool ``name`` (one of ``BINARIES``); every one of them is built on first use, in
+    one build (an older cache holding only some of them is completed)."""
+    if name not in BINARIES:
+        raise ValueError(f"unknown llama.cpp tool {name!r}; one of {', '.join(BINARIES)}")
     root = cache_dir(version)
-    binary = root / "llama-bench"
-    if binary.is_file() and os.access(binary, os.X_OK):
+    binary = root / name
+    if all((root / b).is_file() and os.access(root / b, os.X_OK) for b in BINARIES):
         return binary
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise LlamaCppError(f"building llama.cpp needs {tool!r} on PATH; install it (e.g. apt-get install "
-                                f"cmake g++), or set ${ENV} to a directory holding a built llama-bench")
+                                f"cmake g++), or set ${ENV} to a directory holding a built {name}")
     with _locked(root / "build.lock"):
-        if binary.is_file():  # another process built it while we waited
+        if all((root / b).is_file() for b in BINARIES):  # another process built them while we waited
             return binary
         for stale in root.glob("build-*"):  # left by a killed build (we hold the lock: nobody else is building)
             log(f"removing {stale}, left by an interrupted build")
@@ -136,18 +147,20 @@ def llama_bench_path(version: str = LLAMA_CPP_PYTHON) -> Path:
             build = tmp / "build"
             _run(["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS], "configuring llama.cpp", quiet=True)
             jobs = str(max(1, min(2, os.cpu_count() or 1)))
-            _run(["cmake", "--build", str(build), "-j", jobs, "--target", "llama-bench"],
-                 f"building llama-bench with {jobs} jobs (5-10 minutes on 2 cores)")
-            built = next(iter(build.glob("bin/llama-bench")), None)
-            if built is None:
-                raise LlamaCppError(f"the build finished but {build}/bin/llama-bench is missing; the llama.cpp "
-                                    "layout changed: pin another llama-cpp-python version in "
-                                    "benchmark/llama_cpp_peer.py")
-            part = root / "llama-bench.part"
-            shutil.copy2(built, part)
-            os.chmod(part, 0o700)
-            os.replace(part, binary)
-        log(f"llama-bench {version} built in {time.perf_counter() - start:.0f} s: {binary}")
+            targets = [arg for b in BINARIES for arg in ("--target", b)]
+            _run(["cmake", "--build", str(build), "-j", jobs, *targets],
+                 f"building {' and '.join(BINARIES)} with {jobs} jobs (5-10 minutes on 2 cores)")
+            for b in BINARIES:
+                built = next(iter(build.glob(f"bin/{b}")), None)
+                if built is None:
+                    raise LlamaCppError(f"the build finished but {build}/bin/{b} is missing; the llama.cpp "
+                                        "layout changed: pin another llama-cpp-python version in "
+                                        "benchmark/llama_cpp_peer.py")
+                part = root / f"{b}.part"
+                shutil.copy2(built, part)
+                os.chmod(part, 0o700)
+                os.replace(part, root / b)
+        log(f"{', '.join(BINARIES)} {version} built in {time.perf_counter() - start:.0f} s: {root}")
     return binary
 
 
@@ -177,6 +190,40 @@ def bench_prompt(gguf_path: str | Path, tokens: int, threads: int = 2, repeats: 
     row = _llama_bench(gguf_path, tokens, 0, threads, repeats, 0, binary)
     seconds = float(row["avg_ns"]) / 1e9
     return {"seconds": seconds, "tok_per_s": tokens / seconds, "threads": threads, "tokens": tokens, "raw": row}
+
+
+def bench_batched(gguf_path: str | Path, batch: int, prompt: int, gen: int, threads: int = 2, *,
+                  binary: Path | None = None) -> dict[str, Any]:
+    """llama.cpp's decode of ``batch`` concurrent sequences (``llama-batched-bench -npl batch``): each sequence's
+    ``prompt`` tokens prefilled (not shared: ``batch`` x ``prompt`` tokens, ``pp_seconds``), then ``gen``
+    steps of ``batch`` tokens each (``tg_seconds``; ``ms_per_step``), flash attention off, as yirage's
+    benchmark runs a batch. Its JSONL row is under ``raw``."""
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise LlamaCppError(f"GGUF file {str(path)!r} does not exist; export one with "
+                            "yirage.models.gguf_export.export_gguf first")
+    for name, value in (("batch", batch), ("prompt", prompt), ("gen", gen), ("threads", threads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LlamaCppError(f"llama-batched-bench {name}={value!r} must be an int >= 1")
+    binary = binary or llama_binary("llama-batched-bench")
+    ctx = batch * (prompt + gen)
+    cmd = [str(binary), "-m", str(path), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt),
+           "-ntg", str(gen), "-npl", str(batch), "-t", str(threads), "-tb", str(threads), "-fa", "off",
+           "--output-format", "jsonl"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise LlamaCppError(f"`{' '.join(cmd)}` failed (exit {done.returncode}): {done.stderr.strip()[-1500:]}; "
+                            "llama.cpp could not load or run the file: check it with yirage.models.gguf.read_gguf")
+    try:
+        rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        row = next(r for r in rows if r["pl"] == batch and r["pp"] == prompt and r["tg"] == gen)
+        pp, tg = float(row["t_pp"]), float(row["t_tg"])
+    except (json.JSONDecodeError, StopIteration, KeyError, TypeError, ValueError) as exc:
+        raise LlamaCppError(f"cannot read llama-batched-bench's JSONL ({type(exc).__name__}: {exc}); output began "
+                            f"{done.stdout[:300]!r}: its output format changed, update benchmark/llama_cpp_peer.py"
+                            ) from exc
+    return {"pp_seconds": pp, "tg_seconds": tg, "ms_per_step": tg / gen * 1e3, "batch": batch, "prompt": prompt,
+            "gen": gen, "threads": threads, "raw": row}
 
 
 def _llama_bench(gguf_path: str | Path, prompt: int, gen: int, threads: int, repeats: int, depth: int,

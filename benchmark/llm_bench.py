@@ -15,8 +15,8 @@ runs, the peers taking turns round by round; each figure is min / median / max o
 * Peers (``--peers``): ``hf`` runs transformers' ``generate`` on the same weights, timed as llm_decode.py times it
   (``hf_peer.py``: a 1-token generate is TTFT); ``llamacpp`` runs ``llama-bench`` (``benchmark/llama_cpp_peer.py``
   builds it once, 5-10 minutes) on the same weights written as GGUF in ``--dtype``: TTFT is its ``-p input_len``
-  time, ITL its ``-n output_len-1 -d input_len`` time. llama-bench times one sequence, so it runs batch-1 cases
-  only.
+  time, ITL its ``-n output_len-1 -d input_len`` time; a batch runs ``llama-batched-bench -npl batch`` (built with
+  it): TTFT its prefill of the batch's prompts, ITL its decode time per step of ``batch`` tokens.
   Ratios are peer median / yirage median (> 1: yirage faster).
 
 Bad input (an unparsable list, a missing model, a KV cache larger than the free memory, ...) exits with status 2
@@ -63,9 +63,6 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 SIZE_FLAGS = {"hidden_size": "--hidden-size", "intermediate_size": "--intermediate-size",
               "num_hidden_layers": "--layers", "num_attention_heads": "--heads",
               "num_key_value_heads": "--kv-heads", "vocab_size": "--vocab-size"}
-LLAMA_BATCH_REASON = ("llama-bench times one sequence (its -b/-ub set the prompt-processing chunk size, not "
-                      "concurrent sequences), so it runs batch-1 cases only")
-
 
 def log(*args: Any) -> None:
     print("[llm_bench]", *args, file=sys.stderr, flush=True)
@@ -338,11 +335,8 @@ def run_case(case: Case, engine: Any, peers: dict[str, Any], base: list[int], ar
     elif f"{HF} skipped" in peers:
         rows.append(record(HF, case, skipped=peers[f"{HF} skipped"]))
     if LLAMA in peers:
-        if case.batch_size == 1:
-            binary, gguf = peers[LLAMA]
-            runners[LLAMA] = lambda: llama_round(binary, gguf, case.input_len, case.output_len, threads)
-        else:
-            rows.append(record(LLAMA, case, skipped=LLAMA_BATCH_REASON))
+        binary, gguf = peers[LLAMA]
+        runners[LLAMA] = lambda: llama_round(binary, gguf, case.input_len, case.output_len, threads, case.batch_size)
     for name, run in runners.items():
         if name != LLAMA:  # llama-bench runs its own warm-up
             for _ in range(args.warmup):

@@ -144,20 +144,28 @@ def yirage_round(engine: Any, ids: Any, output_len: int) -> dict[str, float]:
 
 
 def hf_round(model: Any, ids: Any, output_len: int) -> dict[str, float]:
-    """transformers eager ``generate`` (the decode benchmark's peer run): a 1-token generate gives TTFT, an
-    ``output_len``-token one the rest."""
+    """transformers eager ``generate`` (the decode benchmark's peer run): TTFT and the rest from one generate
+    (hf_peer.generate_seconds)."""
     import hf_peer
 
     first, total = hf_peer.generate_seconds(model, ids, output_len)
     return round_metrics(ids.shape[0], ids.shape[1], output_len - 1, first, total - first, total)
 
 
-def llama_round(binary: Path, gguf: Path, input_len: int, output_len: int, threads: int) -> dict[str, float]:
-    """llama-bench's prompt time (TTFT) and its decode after ``input_len`` tokens (the decode benchmark's run)."""
+def llama_round(binary: Path, gguf: Path, input_len: int, output_len: int, threads: int, batch: int = 1
+                ) -> dict[str, float]:
+    """Batch 1: llama-bench's prompt time (TTFT) and its decode after ``input_len`` tokens (the decode
+    benchmark's run). A batch: llama-batched-bench (``binary``'s sibling) prefilling ``batch`` prompts, then
+    decoding them together, timed apart by itself."""
     import llama_cpp_peer
 
-    ttft = llama_cpp_peer.bench_prompt(gguf, input_len, threads, binary=binary)["seconds"]
     steps = output_len - 1
+    if batch > 1:
+        run = llama_cpp_peer.bench_batched(gguf, batch, input_len, steps, threads,
+                                           binary=binary.with_name("llama-batched-bench"))
+        ttft, decode_s = run["pp_seconds"], run["tg_seconds"]
+        return round_metrics(batch, input_len, steps, ttft, decode_s, ttft + decode_s)
+    ttft = llama_cpp_peer.bench_prompt(gguf, input_len, threads, binary=binary)["seconds"]
     decode = llama_cpp_peer.bench_decode(gguf, tokens=steps, threads=threads, depth=input_len, binary=binary)
     decode_s = decode["ms_per_token"] * steps / 1e3
     return round_metrics(1, input_len, steps, ttft, decode_s, ttft + decode_s)  # llama-bench times them apart

@@ -62,10 +62,11 @@ def assert_rows(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
 
 @pytest.mark.parametrize("dtype", list(CODES), ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("k", [1, 31, 32, 33, 64, 96, 577, 1543])
-def test_tile_rows_match_float64_on_the_widened_weights(dtype: torch.dtype, k: int) -> None:
+@pytest.mark.parametrize("batch", [3, 9])  # one row at a time; 2 x 4 tiles, a weight row x 4, and one left
+def test_tile_rows_match_float64_on_the_widened_weights(dtype: torch.dtype, k: int, batch: int) -> None:
     print(f"seed {SEED + k}")
     gen = torch.Generator().manual_seed(SEED + k)
-    n, batch = 21, 3
+    n = 21
     w = torch.randn(n, k, generator=gen).to(dtype)
     x = torch.randn(batch, k, generator=gen)
     res = torch.randn(batch, n, generator=gen)
@@ -92,6 +93,26 @@ def test_tile_keeps_torchs_special_values(dtype: torch.dtype, k: int) -> None:
     x[2, 9] = math.inf  # 0 * inf: NaN in row 5 of batch row 2, +-inf elsewhere
     w = w.to(dtype)
     assert_rows(run_tile(w, x, 0, n), expected(w.float(), x, None, None), k)
+
+
+@pytest.mark.parametrize("dtype", list(CODES), ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("batch", [4, 5, 8, 13])
+@pytest.mark.parametrize("rows", [(0, 1), (3, 10), (2, 12)])  # one weight row; odd and even task ranges
+def test_batch_rows_get_the_bits_of_one_row_decodes(dtype: torch.dtype, batch: int, rows: tuple[int, int]) -> None:
+    """Batch decode computes each row with the batch-1 path's products and sums in its order: a sequence's
+    logits (so its greedy tokens) do not depend on the batch it decodes in. And every result is right."""
+    gen = torch.Generator().manual_seed(SEED + batch)
+    k, n = 96 + 7, 12  # whole lines and a tail
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(batch, k, generator=gen)
+    w[1, 4], x[batch - 1, 2] = math.inf, math.nan  # specials inside a tile
+    n0, n1 = rows
+    got = run_tile(w, x, n0, n1)
+    assert_rows(got[:, n0:n1], expected(w.float(), x, None, None)[:, n0:n1], k)
+    alone = torch.cat([run_tile(w, x[b:b + 1], n0, n1) for b in range(batch)])
+    assert torch.equal(got[:, n0:n1].isnan(), alone[:, n0:n1].isnan())
+    same = ~alone[:, n0:n1].isnan()
+    assert torch.equal(got[:, n0:n1][same], alone[:, n0:n1][same]), "a batch row differs from its batch-1 bits"
 
 
 def test_tile_fails_on_a_misread_widening() -> None:

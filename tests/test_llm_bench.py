@@ -180,15 +180,32 @@ print(json.dumps([{{"n_prompt": p, "n_gen": n, "n_depth": d, "avg_ns": ns, "samp
 """
 
 
+FAKE_BATCHED_STEP_S = 0.003  # the batched stand-in's time per decode step of the whole batch
+FAKE_LLAMA_BATCHED_BENCH = """\
+#!{python}
+import json, sys
+from pathlib import Path
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+with open(Path(sys.argv[0]).parent / "calls.jsonl", "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+pp, tg, pl = int(args["-npp"]), int(args["-ntg"]), int(args["-npl"])
+print("llama_model_load: some log line")
+print(json.dumps({{"pp": pp, "tg": tg, "pl": pl, "n_kv": pl * (pp + tg), "t_pp": pl * pp * {prefill} / 1e9,
+                  "t_tg": tg * {step}}}))
+"""
+
+
 @pytest.fixture
 def fake_llama_bench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A llama-bench stand-in in $YIRAGE_LLAMA_CPP_DIR: 1 ms per prompt token, 2 ms per generated token."""
+    """llama-bench and llama-batched-bench stand-ins in $YIRAGE_LLAMA_CPP_DIR: 1 ms per prompt token, 2 ms per
+    generated token of one sequence, 3 ms per decode step of a batch."""
     root = tmp_path / "llama.cpp"
     root.mkdir()
-    binary = root / "llama-bench"
-    binary.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable, prefill=FAKE_PREFILL_NS_PER_TOKEN,
-                                              decode=FAKE_DECODE_NS_PER_TOKEN))
-    binary.chmod(0o700)
+    for name, text in (("llama-bench", FAKE_LLAMA_BENCH), ("llama-batched-bench", FAKE_LLAMA_BATCHED_BENCH)):
+        binary = root / name
+        binary.write_text(text.format(python=sys.executable, prefill=FAKE_PREFILL_NS_PER_TOKEN,
+                                      decode=FAKE_DECODE_NS_PER_TOKEN, step=FAKE_BATCHED_STEP_S))
+        binary.chmod(0o700)
     monkeypatch.setenv("YIRAGE_LLAMA_CPP_DIR", str(root))
     return root
 
@@ -207,12 +224,18 @@ def test_gguf_file_runs_with_the_llama_cpp_peer_on_the_same_weights(run_main, gg
     assert llama["itl_ms"]["median"] == pytest.approx(FAKE_DECODE_NS_PER_TOKEN / 1e6)
     ours = rows[("yirage cpu", 1)]
     assert ours["itl_vs_llama_cpp"] == pytest.approx(llama["itl_ms"]["median"] / ours["itl_ms"]["median"])
-    skipped = rows[("llama.cpp", 2)]
-    assert skipped["status"] == "skipped" and "batch-1" in skipped["reason"] and skipped["ttft_ms"] is None
-    assert rows[("yirage cpu", 2)]["itl_vs_llama_cpp"] is None
+    batched = rows[("llama.cpp", 2)]  # llama-batched-bench: both prompts' prefill, then steps of 2 tokens
+    assert batched["status"] == "ok"
+    assert batched["ttft_ms"]["median"] == pytest.approx(2 * 8 * FAKE_PREFILL_NS_PER_TOKEN / 1e6)
+    assert batched["itl_ms"]["median"] == pytest.approx(FAKE_BATCHED_STEP_S * 1e3)
+    assert batched["decode_tok_s"]["median"] == pytest.approx(2 / FAKE_BATCHED_STEP_S)
+    ours2 = rows[("yirage cpu", 2)]
+    assert ours2["itl_vs_llama_cpp"] == pytest.approx(batched["itl_ms"]["median"] / ours2["itl_ms"]["median"])
     calls = [json.loads(line) for line in (fake_llama_bench / "calls.jsonl").read_text().splitlines()]
-    assert {tuple(c[c.index(flag) + 1] for flag in ("-p", "-n", "-d") if flag in c) for c in calls} == {
-        ("8", "0", "0"), ("0", "4", "8")}  # the prompt alone; 4 decode steps after the 8 prompt tokens
+    assert {tuple(c[c.index(flag) + 1] for flag in ("-p", "-n", "-d") if flag in c) for c in calls
+            if "-p" in c} == {("8", "0", "0"), ("0", "4", "8")}  # the prompt alone; 4 steps after its 8 tokens
+    assert [tuple(c[c.index(flag) + 1] for flag in ("-npl", "-npp", "-ntg", "-fa")) for c in calls
+            if "-npl" in c] == [("2", "8", "4", "off")]
     # llama.cpp read the model's weights: the GGUF it got holds the same tensors as the file benchmarked
     reference = {t.name: t.data for t in GGUFReader(gguf_file).tensors}
     seen = {t.name: t.data for t in GGUFReader(fake_llama_bench / "seen.gguf").tensors}

@@ -120,14 +120,15 @@ LAYOUTS = [("q8_0", False), ("q4_0", False), ("q8_0", True), ("q4_0", True)]  # 
 
 @pytest.mark.parametrize("k", (32, 96, 576))  # one block, an odd count (the unpaired tail), a model's hidden size
 @pytest.mark.parametrize(("fmt", "groups"), LAYOUTS, ids=("q8_0", "q4_0", "q8_0-groups", "q4_0-groups"))
-def test_cpu_quant_rows_match_float64_on_the_dequantized_blocks(fmt, groups, k) -> None:
+@pytest.mark.parametrize("batch", (2, 5))  # one x row at a time; four at once (groups) and one left
+def test_cpu_quant_rows_match_float64_on_the_dequantized_blocks(fmt, groups, k, batch) -> None:
     need_cpu()
     gen = torch.Generator().manual_seed(SEED + k)
     print(f"seed {SEED + k}")
     awkward = awkward_matrix(SEED, 8, 96).repeat(1, k // 32 + 1)[:, :k]  # its edge-case blocks, cut to K
     w = quantize(torch.cat([awkward, torch.randn(40, k, generator=gen)]), fmt)
-    x = torch.randn(2, k, generator=gen)
-    bias, res = torch.randn(48, generator=gen), torch.randn(2, 48, generator=gen)
+    x = torch.randn(batch, k, generator=gen) * torch.logspace(-3, 3, batch)[:, None]  # a scale per row
+    bias, res = torch.randn(48, generator=gen), torch.randn(batch, 48, generator=gen)
     ours = quant_kernel_rows(fmt, w, x, bias, res, groups)
     dense = w.dequantize().double()
     ref = x.double() @ dense.t() + bias.double() + res.double()
@@ -150,6 +151,22 @@ def test_cpu_groups_serve_task_ranges_that_cut_groups(fmt) -> None:
         part = quant_kernel_rows(fmt, w, x, None, res, groups=True, rows=(n0, n1))
         assert torch.equal(part[:, n0:n1], full[:, n0:n1]), (n0, n1)
         assert not part[:, :n0].any() and not part[:, n1:].any(), (n0, n1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("batch", (4, 9))
+def test_cpu_groups_give_each_batch_row_its_batch_1_bits(fmt, batch) -> None:
+    """Batch decode dots four x rows per pass over a group: each row's integer sums and float steps are the
+    one-row pass's, so a sequence's logits do not depend on its batch; task ranges cutting groups included."""
+    need_cpu()
+    gen = torch.Generator().manual_seed(SEED + batch)
+    w = quantize(torch.randn(40, 96, generator=gen), fmt)
+    x = torch.randn(batch, 96, generator=gen) * torch.logspace(-2, 2, batch)[:, None]
+    for rows in ((0, 40), (3, 21)):
+        together = quant_kernel_rows(fmt, w, x, None, None, groups=True, rows=rows)
+        alone = torch.cat([quant_kernel_rows(fmt, w, x[b:b + 1], None, None, groups=True, rows=rows)
+                           for b in range(batch)])
+        assert torch.equal(together, alone), rows
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

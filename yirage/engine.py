@@ -219,7 +219,7 @@ class InferEngine:
         with self._lock:
             if positions is None and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
                 positions = torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], input_ids.shape[1])
-            return self.model.forward(input_ids, positions)
+            return self.model.forward(input_ids, positions, linear=self.backend.prompt_linear())
 
     def encode(self, prompts: str | list[str]) -> Any:
         """Token ids (B, P) for text prompts (left-padded to one length), with the model's tokenizer."""
@@ -335,7 +335,8 @@ class InferEngine:
         start = time.perf_counter()
         positions = torch.arange(prompt).expand(batch, prompt)  # host-known: the prefill moves what it indexes
         with self._lock:
-            logits = self.model.forward(input_ids, positions, last_only=True)[:, -1]
+            linear = self.backend.prompt_linear()  # the backend's projections where they beat torch's
+            logits = self.model.forward(input_ids, positions, last_only=True, linear=linear)[:, -1]
         # the decode kernel's own picker: a seeded generation draws every token from the runtime's one sampler
         first = decoder.pick(logits)
         self._tokens[:, prompt] = first

@@ -328,6 +328,17 @@ class Backend:
         """
         return None
 
+    def prompt_linear(self) -> Callable[[Any, Any], Any] | None:
+        """A projection for the prompt's prefill (``yirage.models.prefill``), or None (the default: torch's
+        ``x @ W.T`` on the weight made float32).
+
+        The callable takes ``x`` (M, K) float32 on this backend's device and a weight (a torch tensor or a
+        ``yirage.quant.QuantizedTensor``) and returns ``x @ W.T`` as (M, N) float32, or None where it has no
+        faster way for that weight or M (torch's then runs). A backend offers it where its own kernels beat a
+        dequantize-then-GEMM, e.g. quantized matrices read as blocks.
+        """
+        return None
+
     def collective_backend(self) -> str | None:
         """The torch.distributed backend ("gloo", "nccl", "hccl", ...) that moves this device's tensors between
         ranks in a multi-rank (tensor-parallel) run; None: this backend cannot run multi-rank (the default)."""

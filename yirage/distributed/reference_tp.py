@@ -49,8 +49,9 @@ class ReferenceTP:
     def _reduce(self, partial: Any, label: str) -> Any:
         return all_reduce_(partial.contiguous(), label) if self.plan.world_size > 1 else partial
 
-    def forward(self, input_ids: Any, positions: Any, last_only: bool = False) -> Any:
-        """This rank's logits (B, T, its vocabulary rows) for ``input_ids`` at ``positions``, writing the caches."""
+    def forward(self, input_ids: Any, positions: Any, last_only: bool = False, linear: Any = None) -> Any:
+        """This rank's logits (B, T, its vocabulary rows) for ``input_ids`` at ``positions``, writing the caches;
+        ``linear``: the backend's prefill projection (Backend.prompt_linear), None for torch's."""
         full = self.plan.config
         if not self.k_cache:
             raise ModelError("call reset_cache(batch_size, max_len) before forward")
@@ -62,7 +63,7 @@ class ReferenceTP:
                              "reset_cache with a longer max_len")
         sh = self.shard
         return prefill_logits(self.config, sh.embed, sh.blocks, sh.norm, sh.lm_head, self.k_cache, self.v_cache,
-                              self.cos, self.sin, input_ids, positions, last_only, self._reduce)
+                              self.cos, self.sin, input_ids, positions, last_only, self._reduce, linear)
 
     def argmax(self, local_logits: Any, label: str = "lm_head argmax") -> tuple[Any, Any]:
         """(value, global token id) of the largest logit over every rank's shard (ties: the lowest id)."""

@@ -76,10 +76,10 @@ class TPModel:
         self.check_cache_fits(batch_size, max_len)
         self.reference.reset_cache(batch_size, max_len)
 
-    def forward(self, input_ids: Any, positions: Any, last_only: bool = False) -> Any:
+    def forward(self, input_ids: Any, positions: Any, last_only: bool = False, linear: Any = None) -> Any:
         """The full logits (B, T, vocab), gathered from every rank's shard; writes this rank's KV caches.
-        Every rank must call it with the same inputs."""
-        return self.reference.gather_logits(self.reference.forward(input_ids, positions, last_only),
+        Every rank must call it with the same inputs (``linear``: Backend.prompt_linear, None for torch's)."""
+        return self.reference.gather_logits(self.reference.forward(input_ids, positions, last_only, linear),
                                             "prefill logits all-gather")
 
     def build_decoder(self, step: Any, tokens: Any, backend: Any = None, num_workers: int | None = None,

@@ -83,9 +83,10 @@ class LlamaModel:
         self.cos, self.sin = prefill.rope_tables(self.config, max_len, self.device)
 
     # -- prefill (and any multi-token forward) in torch ----------------------------------
-    def forward(self, input_ids: Any, positions: Any, last_only: bool = False) -> Any:
+    def forward(self, input_ids: Any, positions: Any, last_only: bool = False, linear: Any = None) -> Any:
         """Logits (B, T, vocab) for ``input_ids`` at ``positions`` (B, T), writing the KV caches; with
-        ``last_only``, (B, 1, vocab) for the last position only. The logits are on the model's device."""
+        ``last_only``, (B, 1, vocab) for the last position only. The logits are on the model's device.
+        ``linear``: the backend's projection for the prefill (Backend.prompt_linear), None for torch's."""
         import torch
 
         c = self.config
@@ -107,7 +108,8 @@ class LlamaModel:
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= c.vocab:
             raise ModelError(f"input_ids must lie in [0, vocab_size={c.vocab})")
         return prefill.prefill_logits(c, self.embed, self.blocks, self.norm, self.lm_head, self.k_cache,
-                                      self.v_cache, self.cos, self.sin, input_ids, positions, last_only)
+                                      self.v_cache, self.cos, self.sin, input_ids, positions, last_only,
+                                      linear=linear)
 
     # -- decode as a PersistentKernel ---------------------------------------------------------
     def decoder_parts(self) -> DecoderParts:

@@ -8,7 +8,6 @@ weights and caches it is given (the backend's device): the index tensors
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +16,18 @@ from yirage.models.weights import dense
 from yirage.quant import QuantizedTensor
 
 Reduce = Callable[[Any, str], Any]  # (partial sum, label) -> the sum over the ranks
+#: (x (M, K) float32, weight) -> x @ weight.T (M, N) float32, or None for torch's: Backend.prompt_linear
+Linear = Callable[[Any, Any], Any]
+
+
+def project(h: Any, weight: Any, linear: Linear | None = None) -> Any:
+    """``h @ weight.T`` over h's last dimension: the backend's ``linear`` where it takes this weight and row
+    count, else torch's on the weight made float32."""
+    if linear is not None:
+        out = linear(h.reshape(-1, h.shape[-1]), weight)
+        if out is not None:
+            return out.view(*h.shape[:-1], out.shape[-1])
+    return h @ dense(weight).t()
 
 
 def rope_tables(config: LlamaConfig, positions: int, device: Any = "cpu") -> tuple[Any, Any]:
@@ -46,17 +57,21 @@ def kv_cache_bytes(config: LlamaConfig, batch: int, max_len: int) -> int:
 
 
 def attend(x: Any, blk: dict[str, Any], cos: Any, sin: Any, positions: Any, k_cache: Any, v_cache: Any,
-           c: LlamaConfig, ends: list[int] | None = None) -> Any:
+           c: LlamaConfig, ends: list[int] | None = None, causal: list[bool] | None = None,
+           linear: Linear | None = None) -> Any:
     """One layer's attention up to o_proj, (B, T, heads * head_dim), writing that layer's KV caches: RMSNorm,
     the fused QKV projection (grouped per KV head), RoPE, causal attention over the cached positions. ``c``
     may be one rank's share of the model (yirage.distributed): its heads and KV heads. ``positions`` is on the
-    caches' device; ``ends[row]`` (1 + the row's last position) is known on the host (else read back)."""
+    caches' device; ``ends[row]`` (1 + the row's last position) is known on the host (else read back), and
+    ``causal[row]`` whether the row's positions are 0 .. T-1. The attention is torch's fused
+    scaled_dot_product_attention (a 2048-token prompt: 3.8 s against 12.6 s for scores, mask and softmax
+    materialized per layer)."""
     import torch
     import torch.nn.functional as F
 
     b, t, d, f32 = x.shape[0], x.shape[1], c.head_dim, torch.float32
     h = F.rms_norm(x, (c.hidden,), blk["ln1"].to(f32), c.eps)
-    qkv = h @ dense(blk["qkv"]).t()
+    qkv = project(h, blk["qkv"], linear)
     if "qkv_bias" in blk:
         qkv = qkv + blk["qkv_bias"].to(f32)
     qkv = qkv.view(b, t, c.kv_heads, c.group + 2, d)
@@ -64,51 +79,62 @@ def attend(x: Any, blk: dict[str, Any], cos: Any, sin: Any, positions: Any, k_ca
     rot = lambda z: torch.cat((-z[..., d // 2:], z[..., :d // 2]), dim=-1)  # noqa: E731
     q = q * cos[..., None, :] + rot(q) * sin[..., None, :]
     k = k * cos + rot(k) * sin
-    out = torch.empty(b, t, c.kv_heads, c.group, d, device=x.device)
+    out = torch.empty(b, t, c.heads, d, device=x.device)
     for row in range(b):
-        k_cache[row, :, positions[row]] = k[row].transpose(0, 1)
-        v_cache[row, :, positions[row]] = v[row].transpose(0, 1)
+        first = causal is not None and causal[row]  # positions 0 .. T-1: a copy, not an indexed write
+        at = slice(0, t) if first else positions[row]
+        k_cache[row, :, at] = k[row].transpose(0, 1)
+        v_cache[row, :, at] = v[row].transpose(0, 1)
         end = ends[row] if ends is not None else int(positions[row].max()) + 1
-        keys, vals = k_cache[row, :, :end], v_cache[row, :, :end]  # (Hkv, S, D)
-        scores = torch.einsum("tgjd,gsd->tgjs", q[row], keys) / math.sqrt(d)
-        mask = torch.arange(end, device=x.device)[None, :] > positions[row][:, None]  # causal over cache positions
-        scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-        out[row] = torch.einsum("tgjs,gsd->tgjd", torch.softmax(scores, -1), vals)
+        keys, vals = k_cache[row, None, :, :end], v_cache[row, None, :, :end]  # (1, Hkv, S, D)
+        query = q[row].reshape(t, c.heads, d).transpose(0, 1)[None]  # (1, H, T, D); head h reads KV head h // group
+        if first:  # the fused causal kernel skips the masked blocks
+            att = F.scaled_dot_product_attention(query, keys, vals, is_causal=True, enable_gqa=True)
+        else:  # a query sees the cached positions up to its own
+            allowed = torch.arange(end, device=x.device)[None, :] <= positions[row][:, None]
+            att = F.scaled_dot_product_attention(query, keys, vals, attn_mask=allowed, enable_gqa=True)
+        out[row] = att[0].transpose(0, 1)
     return out.reshape(b, t, c.heads * d)
 
 
-def gated_mlp(x: Any, blk: dict[str, Any], c: LlamaConfig) -> Any:
+def gated_mlp(x: Any, blk: dict[str, Any], c: LlamaConfig, linear: Linear | None = None) -> Any:
     """One layer's MLP without the residual: RMSNorm, the fused gate/up projection, silu(gate) * up, down."""
     import torch
     import torch.nn.functional as F
 
     h = F.rms_norm(x, (c.hidden,), blk["ln2"].to(torch.float32), c.eps)
-    gu = h @ dense(blk["gate_up"]).t()
-    return (F.silu(gu[..., :c.intermediate]) * gu[..., c.intermediate:]) @ dense(blk["down"]).t()
+    gu = project(h, blk["gate_up"], linear)
+    return project(F.silu(gu[..., :c.intermediate]) * gu[..., c.intermediate:], blk["down"], linear)
 
 
 def prefill_logits(c: LlamaConfig, embed: Any, blocks: list[dict[str, Any]], norm: Any, lm_head: Any,
                    k_cache: list[Any], v_cache: list[Any], cos_table: Any, sin_table: Any, input_ids: Any,
-                   positions: Any, last_only: bool = False, reduce: Reduce | None = None) -> Any:
+                   positions: Any, last_only: bool = False, reduce: Reduce | None = None,
+                   linear: Linear | None = None) -> Any:
     """Logits (B, T, lm_head rows) for ``input_ids`` at ``positions`` (both (B, T), already checked), writing the
     KV caches; with ``last_only``, (B, 1, rows) for the last position only (a prompt's prefill: the LM head over
     every position is most of a short prompt's time, and generation reads only the last). ``reduce``: tensor
-    parallel, the sum over the ranks of each row-parallel partial (o_proj, down_proj)."""
+    parallel, the sum over the ranks of each row-parallel partial (o_proj, down_proj). ``linear``: the backend's
+    projection (Backend.prompt_linear), None for torch's."""
     import torch
     import torch.nn.functional as F
 
     device = k_cache[0].device
-    ends = [int(e) + 1 for e in positions.amax(dim=1).tolist()]  # host-side loop bounds: read once, not per layer
+    t = positions.shape[1]
+    host = torch.stack([positions.amax(dim=1), (positions == torch.arange(t, device=positions.device)).all(dim=1)
+                        .to(positions.dtype)], dim=1).tolist()  # host-side loop bounds: read once, not per layer
+    ends, causal = [int(e) + 1 for e, _ in host], [bool(z) for _, z in host]
     input_ids, positions = input_ids.to(device), positions.to(device)
     f32 = torch.float32
     x = embed.dequantize(input_ids) if isinstance(embed, QuantizedTensor) else embed[input_ids].to(f32)
     cos, sin = cos_table[positions][:, :, None], sin_table[positions][:, :, None]  # (B, T, 1, D)
     add = reduce or (lambda partial, label: partial)
     for i, blk in enumerate(blocks):
-        attn = attend(x, blk, cos, sin, positions, k_cache[i], v_cache[i], c, ends) @ dense(blk["o"]).t()
+        attn = project(attend(x, blk, cos, sin, positions, k_cache[i], v_cache[i], c, ends, causal, linear), blk["o"],
+                       linear)
         x = x + add(attn, f"layer {i} o_proj all-reduce")  # partial sums over this rank's heads
-        x = x + add(gated_mlp(x, blk, c), f"layer {i} down_proj all-reduce")
+        x = x + add(gated_mlp(x, blk, c, linear), f"layer {i} down_proj all-reduce")
     if last_only:
         x = x[:, -1:]
     x = F.rms_norm(x, (c.hidden,), norm.to(f32), c.eps)
-    return x @ dense(lm_head).t()
+    return project(x, lm_head, linear)

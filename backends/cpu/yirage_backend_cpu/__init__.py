@@ -71,6 +71,12 @@ class CPUBackend(yirage.Backend):
         self.require_available()
         return CPUPersistentRuntime(program, config)
 
+    def prompt_linear(self) -> Any:
+        """The prompt's projections over Q8_0 / Q4_0 blocks through the decode's group kernels (prompt_linear.py)."""
+        from yirage_backend_cpu.prompt_linear import prompt_linear
+
+        return prompt_linear()
+
     def collective_backend(self) -> str | None:
         """Ranks of a tensor-parallel run exchange host memory: gloo (yirage.distributed)."""
         return "gloo"

@@ -96,6 +96,61 @@ def _dot(builder: ir.IRBuilder, x: ir.Value, w: ir.Value, chunks: ir.Value, limi
     return _hsum(builder, total)
 
 
+def _dots(builder: ir.IRBuilder, x: ir.Value, x_stride: ir.Value, w: ir.Value, w_stride: ir.Value, chunks: ir.Value,
+          limit: ir.Value, kind: str, wrows: int, xrows: int) -> list[ir.Value]:
+    """``_dot`` of ``wrows`` weight rows (``w_stride`` bytes apart) with ``xrows`` rows of x (``x_stride`` bytes
+    apart), every pair at once, results weight row by weight row: each weight chunk is loaded and widened
+    once for all x rows and each x chunk once for all weight rows, and the pairs' accumulators are
+    independent chains (2 x 4 pairs: 16 of the 32 vector registers). Each pair's products and sums are
+    ``_dot``'s, in ``_dot``'s order: the same bits as one call of it per pair."""
+    size = BYTES[kind]
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V32F, [V32F, V32F, V32F]),
+                                         "llvm.fmuladd.v32f32")
+    w_base, x_base = builder.ptrtoint(w, I64), builder.ptrtoint(x, I64)
+
+    def rows(base: ir.Value, stride: ir.Value, count: int, to: ir.Type) -> list[ir.Value]:
+        return [builder.inttoptr(builder.add(base, builder.mul(stride, ir.Constant(I64, r))), to.as_pointer())
+                for r in range(count)]
+
+    xs, ws = rows(x_base, x_stride, xrows, F32), rows(w_base, w_stride, wrows, w.type.pointee)
+
+    def body(builder: ir.IRBuilder, j: ir.Value, acc: list[ir.Value]) -> list[ir.Value]:
+        offset = builder.mul(j, ir.Constant(I64, CHUNK))
+        step = builder.mul(offset, ir.Constant(I64, size))
+        for r in range(wrows):  # the lines AHEAD on in each weight row's stream
+            prefetch_ahead(builder, builder.add(w_base, builder.add(step, builder.mul(w_stride, ir.Constant(
+                I64, r)))), CHUNK * size, limit)
+        xv = [builder.load(builder.bitcast(builder.gep(xr, [offset]), V32F.as_pointer()), align=4) for xr in xs]
+        out = []
+        for r, wr in enumerate(ws):
+            weights = _load(builder, wr, offset, kind)
+            out += [builder.call(fma, [xv[b], weights, acc[r * xrows + b]]) for b in range(xrows)]
+        return out
+
+    totals = counted_loop(builder, chunks, [ir.Constant(V32F, [0.0] * CHUNK)] * (wrows * xrows), body, "fdots")
+    return [_hsum(builder, t) for t in totals]
+
+
+def _tile(kind: str, wrows: int, xrows: int):  # type: ignore[no-untyped-def]
+    def typer(typingctx, x_addr, x_stride, w_addr, w_stride, chunks, limit):  # type: ignore[no-untyped-def]
+        if not _ints(x_addr, x_stride, w_addr, w_stride, chunks, limit):
+            return None
+        result = types.UniTuple(types.float32, wrows * xrows)
+
+        def codegen(context, builder, signature, values):  # type: ignore[no-untyped-def]
+            kinds = signature.args
+            x = _pointer(builder, context, values[0], kinds[0], F32)
+            xs = context.cast(builder, values[1], kinds[1], types.int64)
+            w = _pointer(builder, context, values[2], kinds[2], F32 if kind == "f32" else I16)
+            ws = context.cast(builder, values[3], kinds[3], types.int64)
+            n = context.cast(builder, values[4], kinds[4], types.int64)
+            end = context.cast(builder, values[5], kinds[5], types.int64)
+            return context.make_tuple(builder, result, _dots(builder, x, xs, w, ws, n, end, kind, wrows, xrows))
+
+        return result(x_addr, x_stride, w_addr, w_stride, chunks, limit), codegen
+    return intrinsic(typer)
+
+
 def _row(kind: str):  # type: ignore[no-untyped-def]
     def typer(typingctx, x_addr, w_addr, chunks, limit):  # type: ignore[no-untyped-def]
         if not _ints(x_addr, w_addr, chunks, limit):
@@ -119,3 +174,10 @@ def _row(kind: str):  # type: ignore[no-untyped-def]
 dot_f32_row = _row("f32")
 dot_bf16_row = _row("bf16")
 dot_f16_row = _row("f16")
+
+#: batch decode's GEMV tiles: dot_{kind}_tile(x_addr, x_stride, w_addr, w_stride, chunks, limit) -> the
+#: TILE_W x TILE_X float32 dots of TILE_W weight rows with TILE_X rows of x (weight row major), each bit for
+#: bit dot_{kind}_row's of its pair; dot_{kind}_quad: one weight row with TILE_X rows of x (the odd row left)
+TILE_W, TILE_X = 2, 4
+dot_f32_tile, dot_bf16_tile, dot_f16_tile = (_tile(kind, TILE_W, TILE_X) for kind in ("f32", "bf16", "f16"))
+dot_f32_quad, dot_bf16_quad, dot_f16_quad = (_tile(kind, 1, TILE_X) for kind in ("f32", "bf16", "f16"))

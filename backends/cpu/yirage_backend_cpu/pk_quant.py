@@ -31,10 +31,13 @@ from yirage_backend_cpu.quant_dot import (
 )
 from yirage_backend_cpu.quant_group import (
     GROUP,
+    GROUP_X,
     Q4_GROUP_BYTES,
     Q8_GROUP_BYTES,
     dot_q4_group,
+    dot_q4_group4,
     dot_q8_group,
+    dot_q8_group4,
     quantize_x16_split,
 )
 from yirage_backend_cpu.sources import tie_caches_to_sources
@@ -126,8 +129,22 @@ def linear_groups(xs, batch, k, w_addr, dtype, n0, n1, out, out_cols, res, bias,
     if quantize_x16_split(xs.ctypes.data, batch * nb, lo0, hi0, sx0, dx0) == 1:
         gb = nb * (Q8_GROUP_BYTES if dtype == Q8_0G else Q4_GROUP_BYTES)
         g1 = (n1 + GROUP - 1) // GROUP
+        quads = batch - batch % GROUP_X
+        eights = work[batch * k - GROUP * GROUP_X:batch * k]  # the 4-row dot's outputs, past x's 2.25 batch k
+        # bytes when batch >= 4 (and unused below it)
         for g in range(n0 // GROUP, g1):
-            for b in range(batch):
+            for b in range(0, quads, GROUP_X):  # batch decode: four x rows per pass over the group
+                ahead = w_addr + g1 * gb if b == 0 else 0
+                if dtype == Q8_0G:
+                    dot_q8_group4(lo0 + b * k, hi0 + b * k, sx0 + b * nb * 4, dx0 + b * nb * 4, w_addr + g * gb, nb,
+                                  eights.ctypes.data, ahead)
+                else:
+                    dot_q4_group4(lo0 + b * k, hi0 + b * k, sx0 + b * nb * 4, dx0 + b * nb * 4, w_addr + g * gb, nb,
+                                  eights.ctypes.data, ahead)
+                for q in range(GROUP_X):
+                    for r in range(max(n0 - g * GROUP, 0), min(n1 - g * GROUP, GROUP)):
+                        out[U(b + q) * U(out_cols) + U(g * GROUP + r)] = eights[q * GROUP + r]
+            for b in range(quads, batch):
                 ahead = w_addr + g1 * gb if b == 0 else 0  # prefetch while reading the first batch row
                 if dtype == Q8_0G:
                     dot_q8_group(lo0 + b * k, hi0 + b * k, sx0 + b * nb * 4, dx0 + b * nb * 4, w_addr + g * gb, nb,

@@ -48,6 +48,7 @@ from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q4_BYTES, Q8_0, Q8_0G, Q8_B
 from yirage_backend_cpu.pk_tasks import (
     ATTN,
     BF16,
+    C_GROUP,
     C_HEAD_DIM,
     C_K,
     C_KIND,
@@ -84,7 +85,8 @@ from yirage_backend_cpu.pk_team import (
     pause,
     wait_for_next,
 )
-from yirage_backend_cpu.quant_group import GROUP, repack_q4_0, repack_q8_0
+from yirage_backend_cpu.quant_group import GROUP
+from yirage_backend_cpu.repacked import grouped
 from yirage_backend_cpu.sources import tie_caches_to_sources
 from yirage_backend_cpu.threads import check_fork, serialized
 
@@ -282,8 +284,8 @@ class CPUPersistentRuntime:
                                         f"{value.numel()} {value.dtype}")
             code = dtype_code(dtype, value) if dtype in QUANTIZED else DTYPES[dtype]
             if code in (Q4_0, Q8_0) and t.dims[0] % GROUP == 0:  # one pass reads 8 rows (quant_group)
-                repack, code = (repack_q4_0, Q4_0G) if code == Q4_0 else (repack_q8_0, Q8_0G)
-                value = self._derive(t.name, value.reshape(t.dims[0], -1), repack)
+                q8, code = code == Q8_0, Q8_0G if code == Q8_0 else Q4_0G
+                value = self._derive(t.name, value, lambda src, rows=t.dims[0], q8=q8: grouped(src, rows, q8))
             if value is not program.values.get(t.name):  # made here: the same checks as the user's tensors
                 check_tensor(value, f"the CPU runtime's buffer for {t.name!r}", "cpu", written=not t.attached)
             self.keep.append(value)
@@ -297,8 +299,9 @@ class CPUPersistentRuntime:
         self.lf = np.array(program.descriptors.floats, np.float64).reshape(len(program.layers), len(FloatCol))
         scratch = 1
         for row in self.lp:
-            if row[C_KIND] == ATTN:  # the rotated query and one score per cached position
-                scratch = max(scratch, int(row[C_HEAD_DIM] + row[C_SEQ]))
+            if row[C_KIND] == ATTN:  # per query head of a group: its rotated query, a score per cached position
+                # and the softmax's sum (pk_tasks.attention)
+                scratch = max(scratch, int(row[C_GROUP]) * int(row[C_HEAD_DIM] + row[C_SEQ] + 1))
             else:  # the normalized / gated input rows and a quantized GEMV's work space, or an embed row
                 scratch = max(scratch, 2 * program.batch * max(int(row[C_K]), 1), int(row[C_N]))
         self.graph_arrays = (

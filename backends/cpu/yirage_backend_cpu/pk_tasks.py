@@ -26,7 +26,20 @@ from yirage.persistent.control import Ctl, CtlError
 from yirage.persistent.runtime import register_task_bodies
 from yirage.persistent.specs import LAYER_SPECS, FloatCol, IntCol, kind_code, layout_fingerprint
 from yirage_backend_cpu.atomics import atomic_store
-from yirage_backend_cpu.float_dot import CHUNK, dot_bf16_row, dot_f16_row, dot_f32_row
+from yirage_backend_cpu.float_dot import (
+    CHUNK,
+    TILE_W,
+    TILE_X,
+    dot_bf16_quad,
+    dot_bf16_row,
+    dot_bf16_tile,
+    dot_f16_quad,
+    dot_f16_row,
+    dot_f16_tile,
+    dot_f32_quad,
+    dot_f32_row,
+    dot_f32_tile,
+)
 from yirage_backend_cpu.kernel_lib import FASTMATH, as_pointer, fexp, fmax, fsilu, half_to_float, racc, rfma
 from yirage_backend_cpu.pk_comm import communicate
 from yirage_backend_cpu.pk_quant import dequantize_row, finish_rows, is_quantized, linear_q, row_bytes
@@ -126,21 +139,68 @@ def linear_float(xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias
     chunks = k // CHUNK
     limit = w_addr + n1 * k * size
     x0 = xs.ctypes.data
-    for nn in range(n0, n1):
+    quads = batch - batch % TILE_X
+    nn = n0
+    while quads > 0 and nn + TILE_W <= n1:  # batch decode: tiles of 2 weight rows x 4 batch rows
         row = w_addr + nn * k * size
-        for b in range(batch):
+        for b in range(0, quads, TILE_X):
             x = x0 + b * k * 4
             ahead = limit if b == 0 else 0
             if w_dtype == F32:
-                s0 = dot_f32_row(x, row, chunks, ahead)
+                t = dot_f32_tile(x, k * 4, row, k * size, chunks, ahead)
             elif w_dtype == BF16:
-                s0 = dot_bf16_row(x, row, chunks, ahead)
+                t = dot_bf16_tile(x, k * 4, row, k * size, chunks, ahead)
             else:
-                s0 = dot_f16_row(x, row, chunks, ahead)
-            for i in range(chunks * CHUNK, k):
-                s0 += xs[b * k + i] * load(w_addr, nn * k + i, w_dtype)
-            out[U(b) * U(out_cols) + U(nn)] = s0
+                t = dot_f16_tile(x, k * 4, row, k * size, chunks, ahead)
+            for r in range(TILE_W):
+                for q in range(TILE_X):
+                    out[U(b + q) * U(out_cols) + U(nn + r)] = row_tail(xs, b + q, k, w_addr, w_dtype, nn + r, chunks,
+                                                                       t[r * TILE_X + q])
+        for r in range(TILE_W):
+            row_dots(xs, quads, batch, k, w_addr, w_dtype, nn + r, chunks, 0, out, out_cols)
+        nn += TILE_W
+    for n in range(nn, n1):
+        row_dots(xs, 0, batch, k, w_addr, w_dtype, n, chunks, limit, out, out_cols)
     finish_rows(out, out_cols, batch, n0, n1, res, bias)
+
+
+@njit(inline="always", **OPTS)
+def row_dots(xs, b0, b1, k, w_addr, w_dtype, nn, chunks, limit, out, out_cols):  # type: ignore[no-untyped-def]
+    """out[b, nn] = x[b] . W[nn] for batch rows b0..b1: four at a time (one weight load for the four), then
+    one by one; the first prefetches up to ``limit`` (0: none)."""
+    size = 4 if w_dtype == F32 else 2
+    row = w_addr + nn * k * size
+    x0 = xs.ctypes.data
+    quads = b0 + (b1 - b0) - (b1 - b0) % TILE_X
+    for b in range(b0, quads, TILE_X):
+        x = x0 + b * k * 4
+        ahead = limit if b == b0 else 0
+        if w_dtype == F32:
+            t = dot_f32_quad(x, k * 4, row, 0, chunks, ahead)
+        elif w_dtype == BF16:
+            t = dot_bf16_quad(x, k * 4, row, 0, chunks, ahead)
+        else:
+            t = dot_f16_quad(x, k * 4, row, 0, chunks, ahead)
+        for q in range(TILE_X):
+            out[U(b + q) * U(out_cols) + U(nn)] = row_tail(xs, b + q, k, w_addr, w_dtype, nn, chunks, t[q])
+    for b in range(quads, b1):
+        x = x0 + b * k * 4
+        ahead = limit if b == b0 else 0
+        if w_dtype == F32:
+            s0 = dot_f32_row(x, row, chunks, ahead)
+        elif w_dtype == BF16:
+            s0 = dot_bf16_row(x, row, chunks, ahead)
+        else:
+            s0 = dot_f16_row(x, row, chunks, ahead)
+        out[U(b) * U(out_cols) + U(nn)] = row_tail(xs, b, k, w_addr, w_dtype, nn, chunks, s0)
+
+
+@njit(inline="always", **OPTS)
+def row_tail(xs, b, k, w_addr, w_dtype, nn, chunks, s):  # type: ignore[no-untyped-def]
+    """``s`` (the dot over whole chunks) plus the last K % 32 terms of batch row ``b`` and weight row ``nn``."""
+    for i in range(chunks * CHUNK, k):
+        s += xs[b * k + i] * load(w_addr, nn * k + i, w_dtype)
+    return s
 
 
 @njit(**OPTS)
@@ -166,6 +226,10 @@ def rope(src, dst, cos, sin, d):  # type: ignore[no-untyped-def]
 @njit(**OPTS)
 def attention(qkv, b, g, group, d, pos, kc, vc, cache_seq, kv_heads, cos, sin, out, out_cols, scratch):
     # type: ignore[no-untyped-def]
+    """KV head ``g`` of batch row ``b``: rotate and store the new key and value, then the ``group`` query heads
+    that share them, together: each cached key and value is read from memory once for all of them (at 2048
+    positions a head's keys and values are 1 MiB: reading them once per query head went to L2 or DRAM again).
+    Each head's scores, softmax and sums keep the one-head order. ``scratch``: group * (d + pos + 2) floats."""
     width = (group + 2) * d
     base = b * (kv_heads * width) + g * width
     cs = cos[pos * d:][:d]
@@ -176,31 +240,40 @@ def attention(qkv, b, g, group, d, pos, kc, vc, cache_seq, kv_heads, cos, sin, o
     vdst = vc[head + pos * d:][:d]
     for i in range(d):
         vdst[i] = vsrc[i]
-    q = scratch[:d]
-    scores = scratch[d:][:pos + 1]
+    n = pos + 1
+    qs = scratch[:group * d]
+    scores = scratch[group * d:][:group * n]  # head j's at j * n
+    totals = scratch[group * (d + n):][:group]
     scale = F(1.0 / math.sqrt(d))
     for j in range(group):
-        rope(qkv[base + j * d:][:d], q, cs, sn, d)
-        mx = F(-np.inf)
-        for s in range(pos + 1):
-            key = kc[head + s * d:][:d]
+        rope(qkv[base + j * d:][:d], qs[j * d:][:d], cs, sn, d)
+    for s in range(n):
+        key = kc[head + s * d:][:d]
+        for j in range(group):
+            q = qs[j * d:][:d]
             acc = F(0)
             for i in range(d):
                 acc = rfma(acc, q[i], key[i])
-            acc *= scale
-            scores[s] = acc
-            mx = fmax(mx, acc)  # a NaN score makes the head NaN, as in torch
+            scores[j * n + s] = acc * scale
+    for j in range(group):
+        row = scores[j * n:][:n]
+        mx = F(-np.inf)
+        for s in range(n):
+            mx = fmax(mx, row[s])  # a NaN score makes the head NaN, as in torch
         total = F(0)
-        for s in range(pos + 1):
-            e = fexp(scores[s] - mx)
-            scores[s] = e
+        for s in range(n):
+            e = fexp(row[s] - mx)
+            row[s] = e
             total = racc(total, e)
+        totals[j] = total
         o = out[b * out_cols + (g * group + j) * d:][:d]
         for i in range(d):
             o[i] = F(0)
-        for s in range(pos + 1):
-            w = scores[s] / total
-            val = vc[head + s * d:][:d]
+    for s in range(n):
+        val = vc[head + s * d:][:d]
+        for j in range(group):
+            w = scores[j * n + s] / totals[j]
+            o = out[b * out_cols + (g * group + j) * d:][:d]
             for i in range(d):
                 o[i] += w * val[i]
 

@@ -140,24 +140,32 @@ def quantize_x16_split(typingctx, x_addr, blocks, xlo_addr, xhi_addr, sxhi_addr,
 
 
 def _group_dot_split(builder: ir.IRBuilder, x: list[ir.Value], group: ir.Value, blocks: ir.Value,
-                     out: ir.Value, q8: bool, limit: ir.Value) -> None:
-    """out[0..8) = the 8 rows of ``group`` dotted with x as quantize_x16_split wrote it (xlo, xhi, sxhi, dx).
+                     out: ir.Value, q8: bool, limit: ir.Value, xrows: int = 1) -> None:
+    """out[8 r .. 8 r + 8) = the 8 rows of ``group`` dotted with x row r (r < ``xrows``) as quantize_x16_split
+    wrote it (xlo, xhi, sxhi, dx: row r's bytes 32 ``blocks`` r on, its block sums and scales 4 ``blocks`` r on).
 
     Q4_0 (``q8`` false): chunk t's nibbles n are elements 4t.. and 16+4t.. of the rows: lo by (n - 8), and n
     by hi, less 8 sum(hi). Q8_0: chunk t is elements 4t.. as int8 q: lo by q, and q + 128 (the byte with its
-    top bit flipped) by hi, less 128 sum(hi)."""
-    xlo, xhi, sxhi, dx = x
+    top bit flipped) by hi, less 128 sum(hi). With several x rows (batch decode) each chunk is loaded and
+    unpacked once for all of them; every row's integer and float operations are the one-row ones, in order."""
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8F, [V8F, V8F, V8F]), "llvm.fmuladd.v8f32")
     stride = Q8_GROUP_BYTES if q8 else Q4_GROUP_BYTES
+    row_bytes, row_words = builder.mul(blocks, ir.Constant(I64, 32)), builder.mul(blocks, ir.Constant(I64, 1))
+
+    def rows_of(base: ir.Value, step: ir.Value) -> list[ir.Value]:
+        return [builder.gep(base, [builder.mul(step, ir.Constant(I64, r))]) for r in range(xrows)]
+
+    xlo, xhi = rows_of(x[0], row_bytes), rows_of(x[1], row_bytes)
+    sxhi, dx = rows_of(x[2], row_words), rows_of(x[3], row_words)
 
     def block_dot(builder: ir.IRBuilder, j: ir.Value, acc: list[ir.Value]) -> list[ir.Value]:
         block = builder.gep(group, [builder.mul(j, ir.Constant(I64, stride))])
         prefetch_ahead(builder, builder.ptrtoint(block, I64), stride, limit)
         at = builder.mul(j, ir.Constant(I64, 32))
-        lo4 = builder.bitcast(builder.gep(xlo, [at]), I32.as_pointer())  # 4 bytes of x each
-        hi4 = builder.bitcast(builder.gep(xhi, [at]), I32.as_pointer())
+        lo4 = [builder.bitcast(builder.gep(p, [at]), I32.as_pointer()) for p in xlo]  # 4 bytes of x each
+        hi4 = [builder.bitcast(builder.gep(p, [at]), I32.as_pointer()) for p in xhi]
         none = ir.Constant(V8I32, [0] * 8)
-        lows, highs = [none, none], [none, none]  # four independent chains
+        lows, highs = [[none, none] for _ in range(xrows)], [[none, none] for _ in range(xrows)]  # 4 chains a row
         fifteen, eight = ir.Constant(V32I8, [15] * 32), ir.Constant(V32I8, [8] * 32)
         for t in range(8 if q8 else 4):
             chunk = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(I64, 16 + 32 * t)]),
@@ -169,25 +177,31 @@ def _group_dot_split(builder: ir.IRBuilder, x: list[ir.Value], group: ir.Value, 
                            builder.and_(builder.lshr(chunk, ir.Constant(V32I8, [4] * 32)), fifteen))
                 parts = [(4 * h + t, builder.sub(nib, eight), nib) for h, nib in enumerate(nibbles)]
             for at4, signed, unsigned in parts:  # x[4 at4 .. + 4) broadcast to the 8 rows' lanes
-                lo = builder.bitcast(_splat(builder, builder.load(builder.gep(lo4, [ir.Constant(I64, at4)]),
-                                                                  align=1), 8), V32I8)
-                hi = builder.bitcast(_splat(builder, builder.load(builder.gep(hi4, [ir.Constant(I64, at4)]),
-                                                                  align=1), 8), V32I8)
                 chain = at4 % 2
-                lows[chain] = _dpbusd(builder, lows[chain], lo, signed)
-                highs[chain] = _dpbusd(builder, highs[chain], unsigned, hi)
-        offset = builder.shl(builder.load(builder.gep(sxhi, [j]), align=4), ir.Constant(I32, 7 if q8 else 3))
-        high = builder.sub(builder.add(highs[0], highs[1]), _splat(builder, offset, 8))
-        rows = builder.add(builder.add(lows[0], lows[1]), builder.shl(high, ir.Constant(V8I32, [8] * 8)))
-        scale = builder.fmul(_scales8(builder, block), _splat(builder, builder.load(builder.gep(dx, [j]), align=4),
-                                                               8))
-        return [builder.call(fma, [builder.sitofp(rows, V8F), scale, acc[0]])]
+                for r in range(xrows):
+                    lo = builder.bitcast(_splat(builder, builder.load(builder.gep(lo4[r], [ir.Constant(I64, at4)]),
+                                                                      align=1), 8), V32I8)
+                    hi = builder.bitcast(_splat(builder, builder.load(builder.gep(hi4[r], [ir.Constant(I64, at4)]),
+                                                                      align=1), 8), V32I8)
+                    lows[r][chain] = _dpbusd(builder, lows[r][chain], lo, signed)
+                    highs[r][chain] = _dpbusd(builder, highs[r][chain], unsigned, hi)
+        scales = _scales8(builder, block)
+        out = []
+        for r in range(xrows):
+            offset = builder.shl(builder.load(builder.gep(sxhi[r], [j]), align=4), ir.Constant(I32, 7 if q8 else 3))
+            high = builder.sub(builder.add(highs[r][0], highs[r][1]), _splat(builder, offset, 8))
+            rows = builder.add(builder.add(lows[r][0], lows[r][1]), builder.shl(high, ir.Constant(V8I32, [8] * 8)))
+            scale = builder.fmul(scales, _splat(builder, builder.load(builder.gep(dx[r], [j]), align=4), 8))
+            out.append(builder.call(fma, [builder.sitofp(rows, V8F), scale, acc[r]]))
+        return out
 
-    (result,) = counted_loop(builder, blocks, [ir.Constant(V8F, [0.0] * 8)], block_dot, "q4g")
-    builder.store(result, builder.bitcast(out, V8F.as_pointer()), align=4)
+    results = counted_loop(builder, blocks, [ir.Constant(V8F, [0.0] * 8)] * xrows, block_dot, "q4g")
+    for r, result in enumerate(results):
+        builder.store(result, builder.bitcast(builder.gep(out, [ir.Constant(I64, 8 * r)]), V8F.as_pointer()),
+                      align=4)
 
 
-def _group_intrinsic(q8: bool):  # type: ignore[no-untyped-def]
+def _group_intrinsic(q8: bool, xrows: int = 1):  # type: ignore[no-untyped-def]
     def dot(typingctx, xlo_addr, xhi_addr, sxhi_addr, dx_addr, group_addr, blocks, out_addr, limit):  # type: ignore[no-untyped-def]
         if not _ints(xlo_addr, xhi_addr, sxhi_addr, dx_addr, group_addr, blocks, out_addr, limit):
             return None
@@ -198,7 +212,7 @@ def _group_intrinsic(q8: bool):  # type: ignore[no-untyped-def]
             _group_dot_split(builder, x, _pointer(builder, context, values[4], k[4], I8),
                              context.cast(builder, values[5], k[5], types.int64),
                              _pointer(builder, context, values[6], k[6], F32), q8,
-                             context.cast(builder, values[7], k[7], types.int64))
+                             context.cast(builder, values[7], k[7], types.int64), xrows)
             return context.get_dummy_value()
 
         return types.none(xlo_addr, xhi_addr, sxhi_addr, dx_addr, group_addr, blocks, out_addr, limit), codegen
@@ -210,3 +224,9 @@ def _group_intrinsic(q8: bool):  # type: ignore[no-untyped-def]
 #: Each block read asks for the one float_dot.AHEAD bytes on, below the address ``limit`` (0: none)
 dot_q4_group = _group_intrinsic(q8=False)
 dot_q8_group = _group_intrinsic(q8=True)
+#: dot_q4_group4 / dot_q8_group4: the same for GROUP_X rows of x at once (row r's split bytes 32 ``blocks`` r
+#: on, its sums and scales 4 ``blocks`` r on), 8 GROUP_X float32 at ``out``, each row's bit for bit
+#: dot_q4_group's / dot_q8_group's: batch decode unpacks each chunk once for the four
+GROUP_X = 4
+dot_q4_group4 = _group_intrinsic(q8=False, xrows=GROUP_X)
+dot_q8_group4 = _group_intrinsic(q8=True, xrows=GROUP_X)

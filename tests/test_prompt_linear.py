@@ -1,0 +1,111 @@
+"""The cpu backend's prompt projections over Q8_0 / Q4_0 blocks (prompt_linear.py) against float64 torch on the
+dequantized matrix, under the kernels' error model; the cases it leaves to torch; weights changed in place; and a
+quantized model's prefill through it against the torch prefill."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import yirage as yr
+from yirage.quant import quantize
+
+pytest.importorskip("numba")
+if not yr.is_backend_available("cpu"):
+    pytest.skip("the cpu backend is not available", allow_module_level=True)
+
+from yirage_backend_cpu import prompt_linear as pl  # noqa: E402
+
+SEED = 20261127
+FORMATS = ("q8_0", "q4_0")
+
+
+def bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """x rounded per block of 32 to int16 (half a step of the block's largest |x| / 32767 per value), plus float32
+    rounding of the sums."""
+    m, k = x.shape
+    step = x.double().abs().view(m, k // 32, 32).amax(-1) / 32767 / 2
+    per_block = dense.abs().view(dense.shape[0], k // 32, 32).sum(-1)
+    return step @ per_block.t() + 1e-5 * (x.double().abs() @ dense.abs().t())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 5, 16, pl.MAX_ROWS])  # one row; four at a time and one left; a prompt
+def test_rows_match_float64_on_the_dequantized_blocks(fmt: str, m: int) -> None:
+    gen = torch.Generator().manual_seed(SEED + m)
+    w = quantize(torch.randn(56, 96, generator=gen), fmt)
+    x = torch.randn(m, 96, generator=gen) * torch.logspace(-2, 2, m)[:, None]
+    got = pl.PromptLinear()(x, w)
+    assert got is not None and got.shape == (m, 56) and got.dtype == torch.float32
+    dense = w.dequantize().double()
+    err = (got.double() - x.double() @ dense.t()).abs()
+    assert bool((err <= bound(x, dense)).all()), f"max error {float(err.max()):.3g}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_thread_split_does_not_change_a_bit(fmt: str) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    w = quantize(torch.randn(72, 64, generator=gen), fmt)
+    x = torch.randn(9, 64, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = pl.PromptLinear()(x, w)
+        torch.set_num_threads(3)
+        three = pl.PromptLinear()(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, three)
+
+
+def test_what_it_cannot_read_is_left_to_torch() -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    run = pl.PromptLinear()
+    x = torch.randn(4, 64, generator=gen)
+    w = quantize(torch.randn(16, 64, generator=gen), "q8_0")
+    assert run(x, torch.randn(16, 64)) is None  # a float matrix
+    assert run(x, quantize(torch.randn(12, 64, generator=gen), "q4_0")) is None  # rows not whole groups of 8
+    assert run(torch.randn(pl.MAX_ROWS + 1, 64), w) is None  # a long prompt: dequantize + GEMM is faster
+    assert run(x.double(), w) is None
+    assert run(torch.randn(4, 32), w) is None  # K does not match
+    nan_scale = quantize(torch.randn(16, 64, generator=gen), "q8_0")
+    nan_scale.blocks[3, 0:2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # a NaN half scale: the exact path
+    assert run(x, nan_scale) is None
+    assert run(x, w) is not None
+
+
+def test_blocks_changed_in_place_are_read_again() -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    w = quantize(torch.randn(16, 64, generator=gen), "q4_0")
+    x = torch.randn(3, 64, generator=gen)
+    before = pl.PromptLinear()(x, w)
+    w.blocks.copy_(quantize(torch.randn(16, 64, generator=gen), "q4_0").blocks)
+    after = pl.PromptLinear()(x, w)
+    dense = w.dequantize().double()
+    assert not torch.equal(before, after)
+    assert bool(((after.double() - x.double() @ dense.t()).abs() <= bound(x, dense)).all())
+
+
+def test_a_quantized_prefill_through_it_matches_the_torch_prefill(tmp_path) -> None:
+    """The same model and prompt, prefilled with the backend's projections and with torch's: logits within the
+    int16 rounding of x, and every KV cache row written."""
+    from yirage.engine import InferEngine
+    from yirage.models.llama import LlamaModel  # noqa: F401 - the engine's model type
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False)
+    torch.manual_seed(SEED)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    engine = InferEngine(tmp_path, backend="cpu", dtype="q8_0")
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(SEED))
+    pos = torch.arange(11).expand(2, 11)
+    engine.reset_cache(2, 16)
+    ours = engine.forward(ids, pos)
+    k_ours = [k.clone() for k in engine.model.k_cache]
+    torch_logits = engine.model.forward(ids, pos)  # linear=None: dequantize + GEMM
+    assert (ours - torch_logits).abs().max().item() < 1e-3 * (1 + torch_logits.abs().max().item())
+    for got, want in zip(k_ours, engine.model.k_cache, strict=True):
+        assert torch.allclose(got, want, rtol=1e-3, atol=1e-4)
+    assert not np.allclose(ours.numpy(), 0)
