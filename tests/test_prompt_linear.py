@@ -59,12 +59,28 @@ def test_the_thread_split_does_not_change_a_bit(fmt: str) -> None:
     assert torch.equal(one, three)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("m", [1, 5, pl.MAX_NARROW_ROWS])
+def test_16_bit_weights_are_read_as_they_are(dtype: torch.dtype, m: int) -> None:
+    """bf16 / f16 matrices: the decode's float tiles on the weights widened in registers, no float32 copy."""
+    gen = torch.Generator().manual_seed(SEED + m)
+    w = torch.randn(43, 100, generator=gen).to(dtype)  # odd rows (a pair and one left); K with a tail
+    x = torch.randn(m, 100, generator=gen)
+    got = pl.PromptLinear()(x, w)
+    assert got is not None and got.shape == (m, 43)
+    want = x.double() @ w.double().t()
+    tol = 4e-7 * 10 * (1 + want.abs().max().item())  # float32 sums of K = 100 products in another order
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=tol)
+    assert pl.PromptLinear()(torch.randn(pl.MAX_NARROW_ROWS + 1, 100), w) is None  # torch's GEMM from there
+
+
 def test_what_it_cannot_read_is_left_to_torch() -> None:
     gen = torch.Generator().manual_seed(SEED)
     run = pl.PromptLinear()
     x = torch.randn(4, 64, generator=gen)
     w = quantize(torch.randn(16, 64, generator=gen), "q8_0")
-    assert run(x, torch.randn(16, 64)) is None  # a float matrix
+    assert run(x, torch.randn(16, 64)) is None  # a float32 matrix: torch's GEMM reads it as well
+    assert run(x, torch.randn(16, 64).bfloat16().t().contiguous().t()) is None  # not row-major
     assert run(x, quantize(torch.randn(12, 64, generator=gen), "q4_0")) is None  # rows not whole groups of 8
     assert run(torch.randn(pl.MAX_ROWS + 1, 64), w) is None  # a long prompt: dequantize + GEMM is faster
     assert run(x.double(), w) is None
@@ -87,9 +103,10 @@ def test_blocks_changed_in_place_are_read_again() -> None:
     assert bool(((after.double() - x.double() @ dense.t()).abs() <= bound(x, dense)).all())
 
 
-def test_a_quantized_prefill_through_it_matches_the_torch_prefill(tmp_path) -> None:
+@pytest.mark.parametrize("dtype", ["q8_0", torch.bfloat16], ids=["q8_0", "bf16"])
+def test_a_prefill_through_it_matches_the_torch_prefill(tmp_path, dtype) -> None:
     """The same model and prompt, prefilled with the backend's projections and with torch's: logits within the
-    int16 rounding of x, and every KV cache row written."""
+    int16 rounding of x (q8_0) or float32 sums in another order (bf16), and every KV cache row written."""
     from yirage.engine import InferEngine
     from yirage.models.llama import LlamaModel  # noqa: F401 - the engine's model type
 
@@ -98,9 +115,9 @@ def test_a_quantized_prefill_through_it_matches_the_torch_prefill(tmp_path) -> N
                                    num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False)
     torch.manual_seed(SEED)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
-    engine = InferEngine(tmp_path, backend="cpu", dtype="q8_0")
-    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(SEED))
-    pos = torch.arange(11).expand(2, 11)
+    engine = InferEngine(tmp_path, backend="cpu", dtype=dtype)
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(SEED))  # 14 rows: under both row limits
+    pos = torch.arange(7).expand(2, 7)
     engine.reset_cache(2, 16)
     ours = engine.forward(ids, pos)
     k_ours = [k.clone() for k in engine.model.k_cache]
