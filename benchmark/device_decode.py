@@ -3,6 +3,7 @@
     python benchmark/device_decode.py --backends cuda triton [--dtypes float32 bfloat16] [--json out.json]
     python benchmark/device_decode.py --backends cuda:YIRAGE_CUDA_PK_RUNTIME=megakernel   # a runtime variant
     python benchmark/device_decode.py --backends cpu --small          # a smoke run of the same code on the CPU
+    python benchmark/device_decode.py --shape llama1b --dtypes bfloat16 --backends cuda triton   # Llama-3.2-1B's
 
 The model has SmolLM2-135M's shape (30 layers, hidden 576, intermediate 1536, 9 query / 3 KV heads of 64, vocab
 49152, tied embeddings) and random weights initialised so its greedy output is diverse (tests/llm_oracle.py's
@@ -14,6 +15,10 @@ run), their ratio (HF / yirage: > 1 means yirage is faster), and whether the gre
 transformers in float32 on the same (rounded) weights, which is what yirage computes (narrow weights widened to
 float32). Where the tokens differ, the oracle's top-2 logit margin at the first differing step says whether it
 was a near-tie (``tie``: margin below 1e-3 of that step's logit range) or a wrong result (``WRONG``).
+``--shape llama1b`` is Llama-3.2-1B's shape (16 layers, hidden 2048, intermediate 8192, 32 / 8 heads of 64, vocab
+128256, tied embeddings). Each row also gives the bandwidth bound: the bytes a decode step must read (every weight
+once, the tied table as the LM head; the KV cache is small at this length) over the device's read bandwidth,
+measured in this run by a ``sum`` over a 1 GiB tensor, and yirage's share of it (bound / ms per token).
 Every figure is measured in this run; nothing is compared with a number from elsewhere.
 """
 
@@ -38,6 +43,11 @@ SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 3
            "rms_norm_eps": 1e-5, "max_position_embeddings": 8192}
 SMALL = {**SMOLLM2, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 512}
+LLAMA1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True, "rope_theta": 500000.0,
+           "rms_norm_eps": 1e-5, "max_position_embeddings": 8192}
+SHAPES = {"smollm2": SMOLLM2, "llama1b": LLAMA1B, "small": SMALL}
+PROBE_BYTES = 1 << 30  # the bandwidth probe's tensor on a GPU (a CPU smoke run reads 64 MiB)
 PROMPT, NEW_TOKENS = 16, 64
 TIE = 1e-3  # a top-2 margin below this fraction of the logit range is a near-tie, not a wrong token
 
@@ -67,6 +77,32 @@ def make_model(shape: dict[str, Any], dtype: Any, root: Path) -> tuple[Path, Any
                 p.copy_(p.to(dtype).float())
     saved.save_pretrained(path, safe_serialization=True)
     return path, oracle
+
+
+def read_bandwidth(device: Any, rounds: int = 7) -> float:
+    """Bytes per second a ``sum`` reads on ``device`` (median of ``rounds`` after a warm-up): the decode's bound."""
+    import torch
+
+    size = PROBE_BYTES if device.type != "cpu" else 64 << 20
+    data = torch.ones(size // 4, dtype=torch.float32, device=device)
+    times = []
+    for i in range(rounds + 1):
+        sync(device)
+        start = time.perf_counter()
+        data.sum()
+        sync(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    del data
+    return size / statistics.median(times)
+
+
+def step_bytes(oracle: Any, dtype: Any) -> int:
+    """Bytes of every weight in ``dtype`` (shared tensors once: a tied table is read as the LM head)."""
+    import torch
+
+    unique = {p.data_ptr(): p.numel() for p in oracle.parameters()}
+    return sum(unique.values()) * torch.empty((), dtype=dtype).element_size()
 
 
 def oracle_tokens(oracle: Any, ids: Any, device: Any) -> tuple[list[list[int]], Any]:
@@ -177,10 +213,13 @@ def main(argv: list[str] | None = None) -> int:
                              "setting (cuda:YIRAGE_CUDA_PK_RUNTIME=megakernel)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=3, help="timed generates per implementation (median)")
-    parser.add_argument("--small", action="store_true", help="a 2-layer model instead of SmolLM2's shape (smoke)")
+    parser.add_argument("--shape", choices=list(SHAPES), default="smollm2", help="the random model's shape")
+    parser.add_argument("--small", action="store_true", help="--shape small: a 2-layer model (smoke)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
-    shape = SMALL if args.small else SMOLLM2
+    shape_name = "small" if args.small else args.shape
+    shape = SHAPES[shape_name]
+    bandwidth: dict[str, float] = {}  # device -> bytes/s, probed once per device
     ids = torch.randint(0, shape["vocab_size"], (1, PROMPT), generator=torch.Generator().manual_seed(2))
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="yirage-device-decode-") as tmp:
@@ -196,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
                 except yr.YirageError as exc:  # unavailable here, or no PersistentKernel runtime: reported
                     row["error"] = f"{type(exc).__name__}: {exc}"
                     continue
+                if str(device) not in bandwidth:
+                    bandwidth[str(device)] = read_bandwidth(device)
+                row["read_gb_s"] = bandwidth[str(device)] / 1e9
+                row["bound_ms"] = step_bytes(oracle, dtype) / bandwidth[str(device)] * 1e3
                 theirs, logits = oracle_tokens(oracle, ids, device)
                 try:
                     with environment(setting):
@@ -208,16 +251,19 @@ def main(argv: list[str] | None = None) -> int:
                 row["hf_ms_per_token"] = hf_ms_per_token(oracle, dtype, ids, device, args.rounds)
                 if row.get("ms_per_token"):
                     row["hf_over_yirage"] = row["hf_ms_per_token"] / row["ms_per_token"]
-    print(f"decode of a {'small' if args.small else 'SmolLM2-shaped'} random model, {PROMPT}-token prompt, "
-          f"{NEW_TOKENS} new tokens (ms/token: median of {args.rounds})")
+                    row["share_of_bound"] = row["bound_ms"] / row["ms_per_token"]
+    print(f"decode of a {shape_name}-shaped random model, {PROMPT}-token prompt, {NEW_TOKENS} new tokens (ms/token: "
+          f"median of {args.rounds}; bound: weight bytes / the read bandwidth a sum measured here)")
     width = max(10, *(len(r["backend"]) for r in rows))
-    print(f"{'backend':{width}} {'dtype':9} {'yirage':>9} {'HF eager':>9} {'HF/yirage':>9}  tokens vs float32 oracle")
+    print(f"{'backend':{width}} {'dtype':9} {'yirage':>9} {'HF eager':>9} {'HF/yirage':>9} {'bound':>8} {'share':>6} "
+          f"{'GB/s':>6}  tokens vs float32 oracle")
     for r in rows:
         if "error" in r:
             print(f"{r['backend']:{width}} {r['dtype']:9} ERROR {r['error'][:200]}")
             continue
         print(f"{r['backend']:{width}} {r['dtype']:9} {r['ms_per_token']:9.3f} {r['hf_ms_per_token']:9.3f} "
-              f"{r['hf_over_yirage']:8.2f}x  {r['tokens_vs_oracle']}")
+              f"{r['hf_over_yirage']:8.2f}x {r['bound_ms']:8.3f} {r['share_of_bound']:6.0%} {r['read_gb_s']:6.0f}  "
+              f"{r['tokens_vs_oracle']}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     wrong = [r for r in rows if "error" in r or not str(r.get("tokens_vs_oracle", "")).startswith(("equal", "tie"))]

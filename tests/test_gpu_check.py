@@ -56,6 +56,21 @@ def test_only_a_part_that_is_not_ok_fails_the_check(gpu_check, tmp_path: Path, m
     assert gpu_check.main() == 1
 
 
+def test_an_optional_part_may_be_cut_by_the_budget_but_not_fail(gpu_check, tmp_path: Path) -> None:
+    """The sanitizers and the Llama-1B decode are optional: skipped or out of time they pass, a failure fails."""
+    py, logs = sys.executable, tmp_path / "logs"
+    logs.mkdir()
+    cut = gpu_check.Part("slow", [py, "-c", "import time; time.sleep(30)"], 1, optional=True).run(logs)
+    assert cut.status.startswith("TIMEOUT") and gpu_check.passed(cut)
+    broken = gpu_check.Part("wrong", [py, "-c", "1/0"], 30, optional=True).run(logs)
+    assert broken.status.startswith("FAILED") and not gpu_check.passed(broken)
+    required = gpu_check.Part("slow2", [py, "-c", "import time; time.sleep(30)"], 1).run(logs)
+    assert not gpu_check.passed(required)
+    timed = {p.name: p for p in gpu_check.timed_parts(tmp_path)}
+    assert timed["decode-llama1b"].optional and not timed["decode-vs-hf"].optional
+    assert all(p.optional for p in gpu_check.sanitizer_parts())
+
+
 def test_a_part_past_the_checks_budget_is_killed_with_its_children_or_not_started(gpu_check, tmp_path: Path) -> None:
     import time
 
