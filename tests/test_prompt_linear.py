@@ -119,10 +119,42 @@ def test_a_prefill_through_it_matches_the_torch_prefill(tmp_path, dtype) -> None
     ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(SEED))  # 14 rows: under both row limits
     pos = torch.arange(7).expand(2, 7)
     engine.reset_cache(2, 16)
-    ours = engine.forward(ids, pos)
+    used = []
+    real = pl.PromptLinear.__call__
+
+    def spy(self, x, weight):  # type: ignore[no-untyped-def]
+        out = real(self, x, weight)
+        used.append(out is not None)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pl.PromptLinear, "__call__", spy)
+        ours = engine.forward(ids, pos)
+    assert used and all(used), "the engine's prefill did not go through the backend's projections"
     k_ours = [k.clone() for k in engine.model.k_cache]
     torch_logits = engine.model.forward(ids, pos)  # linear=None: dequantize + GEMM
     assert (ours - torch_logits).abs().max().item() < 1e-3 * (1 + torch_logits.abs().max().item())
     for got, want in zip(k_ours, engine.model.k_cache, strict=True):
         assert torch.allclose(got, want, rtol=1e-3, atol=1e-4)
     assert not np.allclose(ours.numpy(), 0)
+
+
+def test_a_prompt_continued_at_later_positions_sees_the_cached_ones(tmp_path) -> None:
+    """Prefill 5 tokens, then 3 more at positions 5..7 (the masked attention path, not the causal one): the last
+    logits equal transformers' on all 8 tokens at once."""
+    from yirage.engine import InferEngine
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False)
+    torch.manual_seed(SEED)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    engine = InferEngine(tmp_path, backend="cpu")
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(SEED))
+    engine.reset_cache(1, 8)
+    engine.forward(ids[:, :5])
+    later = engine.forward(ids[:, 5:], torch.arange(5, 8)[None])
+    with torch.no_grad():
+        want = hf(ids).logits[:, 5:]
+    torch.testing.assert_close(later, want, rtol=1e-4, atol=1e-4)

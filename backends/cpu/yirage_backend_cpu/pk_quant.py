@@ -116,6 +116,19 @@ def linear_q(xs, batch, k, w_addr, dtype, n0, n1, out, out_cols, res, bias, work
     finish_rows(out, out_cols, batch, n0, n1, res, bias)
 
 
+@njit(inline="always", **OPTS)
+def group_dot(q8, four, lo, hi, sx, dx, group, nb, out, ahead):  # type: ignore[no-untyped-def]
+    """quant_group's dot of one 8-row group with one x row or four (``four``), Q8_0 or Q4_0 (``q8``)."""
+    if q8 and four:
+        dot_q8_group4(lo, hi, sx, dx, group, nb, out, ahead)
+    elif q8:
+        dot_q8_group(lo, hi, sx, dx, group, nb, out, ahead)
+    elif four:
+        dot_q4_group4(lo, hi, sx, dx, group, nb, out, ahead)
+    else:
+        dot_q4_group(lo, hi, sx, dx, group, nb, out, ahead)
+
+
 @njit(**OPTS)
 def linear_groups(xs, batch, k, w_addr, dtype, n0, n1, out, out_cols, res, bias, work):  # type: ignore[no-untyped-def]
     """linear_q on a Q4_0G or Q8_0G matrix: every group that holds a row of n0..n1, whole, eight rows per pass; rows
@@ -125,35 +138,23 @@ def linear_groups(xs, batch, k, w_addr, dtype, n0, n1, out, out_cols, res, bias,
     hi0 = lo0 + batch * k
     dx0 = hi0 + batch * k
     sx0 = dx0 + batch * nb * 4
-    eight = work[batch * k - GROUP:batch * k]  # past them (2.25 of the 4 bytes per value; k >= 32)
     if quantize_x16_split(xs.ctypes.data, batch * nb, lo0, hi0, sx0, dx0) == 1:
         gb = nb * (Q8_GROUP_BYTES if dtype == Q8_0G else Q4_GROUP_BYTES)
         g1 = (n1 + GROUP - 1) // GROUP
-        quads = batch - batch % GROUP_X
-        eights = work[batch * k - GROUP * GROUP_X:batch * k]  # the 4-row dot's outputs, past x's 2.25 batch k
-        # bytes when batch >= 4 (and unused below it)
+        # the dots' outputs (8 per x row, 4 rows at most), past x's 2.25 batch k bytes (batch k >= 128 when 4 rows
+        # are dotted at once; one row's 8 fit past them for any k >= 32)
+        eights = work[batch * k - GROUP * GROUP_X:batch * k] if batch >= GROUP_X else work[batch * k - GROUP:batch * k]
         for g in range(n0 // GROUP, g1):
-            for b in range(0, quads, GROUP_X):  # batch decode: four x rows per pass over the group
-                ahead = w_addr + g1 * gb if b == 0 else 0
-                if dtype == Q8_0G:
-                    dot_q8_group4(lo0 + b * k, hi0 + b * k, sx0 + b * nb * 4, dx0 + b * nb * 4, w_addr + g * gb, nb,
-                                  eights.ctypes.data, ahead)
-                else:
-                    dot_q4_group4(lo0 + b * k, hi0 + b * k, sx0 + b * nb * 4, dx0 + b * nb * 4, w_addr + g * gb, nb,
-                                  eights.ctypes.data, ahead)
-                for q in range(GROUP_X):
+            b = 0
+            while b < batch:  # batch decode: four x rows per pass over the group while four are left
+                rows = GROUP_X if b + GROUP_X <= batch else 1
+                ahead = w_addr + g1 * gb if b == 0 else 0  # prefetch while reading the first batch row
+                group_dot(dtype == Q8_0G, rows == GROUP_X, lo0 + b * k, hi0 + b * k, sx0 + b * nb * 4,
+                          dx0 + b * nb * 4, w_addr + g * gb, nb, eights.ctypes.data, ahead)
+                for q in range(rows):
                     for r in range(max(n0 - g * GROUP, 0), min(n1 - g * GROUP, GROUP)):
                         out[U(b + q) * U(out_cols) + U(g * GROUP + r)] = eights[q * GROUP + r]
-            for b in range(quads, batch):
-                ahead = w_addr + g1 * gb if b == 0 else 0  # prefetch while reading the first batch row
-                if dtype == Q8_0G:
-                    dot_q8_group(lo0 + b * k, hi0 + b * k, sx0 + b * nb * 4, dx0 + b * nb * 4, w_addr + g * gb, nb,
-                                 eight.ctypes.data, ahead)
-                else:
-                    dot_q4_group(lo0 + b * k, hi0 + b * k, sx0 + b * nb * 4, dx0 + b * nb * 4, w_addr + g * gb, nb,
-                                 eight.ctypes.data, ahead)
-                for r in range(max(n0 - g * GROUP, 0), min(n1 - g * GROUP, GROUP)):
-                    out[U(b) * U(out_cols) + U(g * GROUP + r)] = eight[r]
+                b += rows
         finish_rows(out, out_cols, batch, n0, n1, res, bias)
         return
     row = work[:k]  # x holds inf or NaN: each row dequantized, then a float32 dot, so results are torch's

@@ -114,14 +114,9 @@ class PromptLinear:
             return self._pool
 
 
-_SHARED: PromptLinear | None = None
-_SHARED_LOCK = threading.Lock()
+_SHARED = PromptLinear()  # one per process (its pool starts on first use)
 
 
 def prompt_linear() -> PromptLinear:
     """The process's one PromptLinear (one thread pool)."""
-    global _SHARED
-    with _SHARED_LOCK:
-        if _SHARED is None:
-            _SHARED = PromptLinear()
-        return _SHARED
+    return _SHARED
