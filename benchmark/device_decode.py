@@ -155,7 +155,23 @@ def verdict(ours: list[list[int]], theirs: list[list[int]], logits: Any) -> str:
     return "WRONG (lengths)"
 
 
-def yirage_run(path: Path, backend: str, ids: Any, rounds: int) -> dict[str, Any]:
+def profile_generate(engine: Any, ids: Any, config: Any, where: Path) -> None:
+    """One more generate under torch.profiler, its busiest kernels and host calls written to ``where`` (a table):
+    where a decode step's time goes (launches, syncs, one kernel) when the ratio says it is far from the bound."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if engine.model.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        engine.generate(ids, config)
+    events = prof.key_averages()
+    where.parent.mkdir(parents=True, exist_ok=True)
+    where.write_text("\n\n".join(events.table(sort_by=key, row_limit=30, max_name_column_width=70)
+                                  for key in ("self_device_time_total", "self_cpu_time_total")) + "\n")
+
+
+def yirage_run(path: Path, backend: str, ids: Any, rounds: int, profile: Path | None = None) -> dict[str, Any]:
     """yirage's greedy tokens and median decode ms/token on ``backend`` (the first generate compiles: untimed)."""
     from yirage.engine import GenerationConfig, InferEngine
 
@@ -167,6 +183,8 @@ def yirage_run(path: Path, backend: str, ids: Any, rounds: int) -> dict[str, Any
     runs = [engine.generate(ids, config) for _ in range(rounds)]
     if any(r.tokens.tolist() != first.tokens.tolist() for r in runs):
         return {"error": "greedy tokens changed between runs of the same prompt"}
+    if profile is not None:
+        profile_generate(engine, ids, config, profile)
     return {"tokens": first.tokens.tolist(), "ms_per_token": statistics.median(r.ms_per_token for r in runs),
             "ttft_ms": statistics.median(r.ttft_ms for r in runs), "first_generate_s": warm,
             "device": str(engine.model.device)}
@@ -216,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=list(SHAPES), default="smollm2", help="the random model's shape")
     parser.add_argument("--small", action="store_true", help="--shape small: a 2-layer model (smoke)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="also profile one generate per row (torch.profiler) into DIR/<backend>-<dtype>.txt")
     args = parser.parse_args(argv)
     shape_name = "small" if args.small else args.shape
     shape = SHAPES[shape_name]
@@ -242,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                 theirs, logits = oracle_tokens(oracle, ids, device)
                 try:
                     with environment(setting):
-                        row.update(yirage_run(path, name, ids, args.rounds))
+                        label = "".join(ch if ch.isalnum() or ch in "_." else "-" for ch in spec)
+                        where = args.profile and args.profile / f"{label}-{dtype_name}.txt"
+                        row.update(yirage_run(path, name, ids, args.rounds, where))
                 except Exception as exc:  # noqa: BLE001 - one failing backend must not hide the others' rows
                     row["error"] = f"{type(exc).__name__}: {exc}"
                     continue

@@ -37,6 +37,7 @@ SHAPES = {
     "smollm2-like": (576, 1544, 77),  # bf16: 2 loads + a last partial load (64 of 256); I: 6 + 8 left over
     "unrolled-loop": (64, 4928, 77),  # K = 4928: 2 trips of 8 loads, 3 more, a partial last load
     "scalar": (36, 100, 33),  # K not a multiple of 8 (bf16/f16: scalar loads); f32: only a partial load
+    "wide-hidden": (2056, 64, 33),  # 3 x 2056 floats: too many to stage the RMSNorm in the GEMV (its own kernel)
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHUFFLE_HELPER = """
@@ -141,8 +142,9 @@ VARIANTS = {"tree-vload": None, "shuffle-aligned": True, "shuffle-unaligned": Fa
 #: the scalar fallback is one loop for every shape: one shape runs it; 9 batch rows: 7 loads per round, not 8
 #: (cstyle_gemv.LOAD_BUDGET), so the loop's trips, their remainder and the last partial load all move
 CASES = [(shape, dtype, variant, BATCH) for shape in SHAPES for dtype in DTYPES for variant in VARIANTS
-         if variant != "shuffle-unaligned" or shape == "smollm2-like"] + [
-    ("unrolled-loop", "bfloat16", "shuffle-aligned", 9), ("unrolled-loop", "float32", "tree-vload", 9)]
+         if (variant != "shuffle-unaligned" or shape == "smollm2-like") and shape != "wide-hidden"] + [
+    ("unrolled-loop", "bfloat16", "shuffle-aligned", 9), ("unrolled-loop", "float32", "tree-vload", 9),
+    ("wide-hidden", "bfloat16", "shuffle-aligned", BATCH)]
 
 
 @opencl
@@ -158,6 +160,10 @@ def test_gpu_layout_gemv_matches_float64_on_pocl(gpu_layout, shape, dtype, varia
     assert ("y_shfl_xor(" in source) == (aligned is not None)
     if shape != "scalar" or dtype == "float32":
         assert "vload" in source, "K is a multiple of the load width: wide loads"
+    heads = {x.kernel: source.split(f" {x.kernel}(")[1].split(")")[0] for x in rendered.layers}
+    staged = [x for x in rendered.layers if x.kernel.startswith("y_gemv") and " xin" in heads[x.kernel]]
+    unstaged = shape == "wide-hidden"  # the RMSNorm in its own kernel: its normalized x goes through XS
+    assert ("y_rmsnorm" in source) == unstaged and len(staged) == (0 if unstaged else 2), heads
     assert pk(2) == 2
     check_gemvs(pk)
 
@@ -178,6 +184,13 @@ def test_each_dialect_reduces_a_row_with_what_it_declares(name) -> None:
             assert x.local == group and x.groups == math.ceil(n / (group // width)), x
             start = rendered.source.index(f" {x.kernel}(")
             text = rendered.source[start:rendered.source.find("\n}\n", start)]
+            # an RMSNorm staged into the GEMV (cstyle_gemv._staged_norm) takes local memory and barriers of its own;
+            # the row reduction after it (from the function-level red[] or lid) is what the dialect declares
+            staged = " xin" in text
+            assert staged == (program.layers[x.layer].kind == "rmsnorm_linear"), (name, x)
+            if staged:
+                assert f"{d.local} float x[{program.batch * 576}];" in text and d.barrier in text
+                text = text[re.search(r"\n    (?:\S+ )+(?:red\[|lid = )", text).start():]
             assert (d.local + " " in text) == (d.barrier in text) == (not shuffles), (name, group)
             if shuffles:
                 assert text.count(d.shuffle_xor.split("(")[0]) == 1 and f"m = {width // 2}" in text

@@ -11,6 +11,7 @@ they must catch in test_llm_ablation.py.
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -171,18 +172,21 @@ def rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-x[..., h:], x[..., :h]], -1) * sin
 
 
-def test_rendered_opencl_attention_reads_each_query_heads_own_kv_head() -> None:
-    """The rendered OpenCL attention, run on a tiny GQA program (2 rows at positions 3 and 5, 2 KV heads of 3 query
+@pytest.mark.parametrize("seq, positions, d", ((8, (3, 5), 16), (48, (3, 37), 20)))
+def test_rendered_opencl_attention_reads_each_query_heads_own_kv_head(seq, positions, d) -> None:
+    """The rendered OpenCL attention, run on a tiny GQA program (2 rows at ``positions``, 2 KV heads of 3 query
     heads each, caches pre-filled with different values per KV head), equals float64 torch attention: query head h
     reads KV head h // 3 of its own row, at every position up to its step, new K (RoPE'd) and V included. A K/V
-    offset that reads another KV head (``kb`` with g = 0 or g + 1) or another row fails here."""
+    offset that reads another KV head (``kb`` with g = 0 or g + 1) or another row fails here. The second case
+    covers the loops that issue cstyle.ILP loads at once (38 positions: 4 rounds and 6 single ones; head_dim 20:
+    2 rounds and 4) and their remainders."""
     if not yr.is_backend_available("opencl"):
         pytest.skip("the opencl backend is not available here")
-    batch, kv, group, d, seq, hidden, vocab = 2, 2, 3, 16, 8, 32, 40
+    batch, kv, group, hidden, vocab = 2, 2, 3, 32, 40
     qkv_cols = kv * (group + 2) * d
     gen = torch.Generator().manual_seed(31)
     print("seed 31")
-    step = torch.tensor([3, 5])
+    step = torch.tensor(positions)
     tokens = torch.randint(0, vocab, (batch, seq), generator=gen)
     k0, v0 = torch.randn(batch, kv, seq, d, generator=gen), torch.randn(batch, kv, seq, d, generator=gen)
     cos, sin = torch.randn(seq, d, generator=gen), torch.randn(seq, d, generator=gen)
@@ -218,3 +222,51 @@ def test_rendered_opencl_attention_reads_each_query_heads_own_kv_head() -> None:
         assert torch.allclose(pk.read("kc")[b, :, p].double(), keys[:, p], rtol=1e-5, atol=1e-5), f"row {b} new K"
     err = (got - want).abs().amax(-1)  # (batch, kv, group)
     assert bool((err < 1e-4).all()), f"max |attention - float64| per (row, kv head, query head): {err.tolist()}"
+
+
+@pytest.mark.parametrize("vocab", (300, 3001))
+def test_rendered_opencl_argmax_takes_the_first_maximum_and_propagates_nan(vocab) -> None:
+    """The rendered OpenCL argmax (one pass below cstyle.ARGMAX_CHUNK logits, else chunk partials then a pick)
+    returns, per row, the first index of the maximum, or of the first NaN where a row has one: the oracle is that
+    rule applied in Python to the logits the kernel read (read back). Logits of a one-element hidden state make
+    the head's weights the logits (times the norm's ~1 or ~-1 per row), so planted ties, NaNs and infinities sit
+    in different chunks: row 0 ties its maximum at two indices far apart, row 1 (the weights negated) has +inf
+    values and three NaNs, the first two read by the last and the first thread of one work-group."""
+    if not yr.is_backend_available("opencl"):
+        pytest.skip("the opencl backend is not available here")
+    gen = torch.Generator().manual_seed(5)
+    print("seed 5")
+    weights = torch.randperm(vocab, generator=gen).float() - vocab / 2  # distinct values, both signs
+    top, low = int(weights.argmax()), int(weights.argmin())
+    weights[vocab - 2] = weights[top]  # row 0: a tie for its maximum, the first index must win
+    weights[[vocab // 3, vocab - 1]] = -math.inf  # row 1 (negated): +inf, beaten by the NaNs below
+    # NaNs at 64 and 63 of a chunk: thread 0 reads the first, thread 63 the second (the tree must pick 63)
+    base = vocab // 1024 * 512
+    nans = [base + 64, base + 63, vocab - 3]
+    weights[nans] = math.nan
+    weights[min(low + 1, vocab - 4)] = 0.0
+    for nan_row in (False, True):
+        w = weights.clone()
+        if not nan_row:
+            w[nans] = 1.0
+        pk = yr.PersistentKernel(max_seq_length=4, meta_tensors=[torch.zeros(2, dtype=torch.int64),
+                                                                 torch.tensor([[0, 0, 0, 0], [1, 0, 0, 0]])],
+                                 backend="opencl")
+        x = pk.new_tensor((2, 1), name="x")
+        table = torch.ones(vocab, 1)
+        table[1] = -1.0  # row 1's token
+        pk.embed_layer(pk.tokens_tensor, pk.attach_input(table, "embed"), x)
+        logits = pk.new_tensor((2, vocab), name="logits")
+        pk.rmsnorm_linear_layer(x, pk.attach_input(torch.ones(1), "ln"), pk.attach_input(w[:, None].clone(), "head"),
+                                logits)
+        pk.argmax_layer(logits, pk.new_tensor((2, 1), dtype=torch.int64, name="next"))
+        pk.compile()
+        assert pk(1) == 1
+        got = pk.read("next").view(-1).tolist()
+        for row, values in enumerate(pk.read("logits").tolist()):
+            nans = [j for j, v in enumerate(values) if v != v]
+            want = nans[0] if nans else values.index(max(values))
+            assert got[row] == want, (f"vocab {vocab}, NaNs planted: {nan_row}, row {row}: argmax {got[row]} "
+                                      f"({values[got[row]]}), want {want} ({values[want]})")
+        if not nan_row:
+            assert got[0] == top, "row 0's maximum is tied at index vocab - 2: the first index must win"

@@ -12,11 +12,19 @@ and layers with equal shapes and dtypes share one kernel.
 
 Work split: GEMV layers run a slice of a work-group's threads per output
 row, every batch row at once (``cstyle_gemv``: wide coalesced loads, warp
-shuffles where the dialect has them); RMSNorm one work-group per row;
-attention one work-group per query head (its threads split the cached
-positions, then the head's columns) after a kernel that rotates and stores
-the new key/value; argmax one work-group per row; sampling one work-item
-per row. The math follows the reference runtime: float32 compute,
+shuffles where the dialect has them); an RMSNorm before a GEMV runs inside
+it (each work-group stages the normalized rows in local memory) where they
+fit, else one work-group per row; attention one work-group per query head
+(its threads split the cached positions, then the head's columns), which
+also rotates the new key and, for float32 caches, stores the new key/value
+itself (16-bit caches: a kernel before it stores them); argmax one
+work-group per row, or per chunk of a long row and then one per row over
+the chunks' partials; sampling one work-item per row. Loops over memory
+issue ``ILP`` loads before using one (a GPU issues in order). The first
+H100 profile of a SmolLM2-shaped decode (launched runtime, per call:
+attention 25 us, RMSNorm 5 us, argmax 74 us, a GEMV 3 us) is why.
+
+The math follows the reference runtime: float32 compute,
 weights widened from bfloat16/float16 as they load, IEEE (no fast math, no
 contraction), NaN-propagating max, first index on argmax ties.
 """
@@ -24,7 +32,7 @@ contraction), NaN-propagating max, first index on argmax ties.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,13 +42,15 @@ from yirage.codegen.emit import Emitter
 from yirage.errors import NotSupportedError
 from yirage.persistent import control, cstyle_gemv, cstyle_sample
 from yirage.persistent.control import Ctl, CtlError
-from yirage.persistent.cstyle_buffers import CTL, SCORES, STEP, XS, PKLaunch, tensor_name
+from yirage.persistent.cstyle_buffers import CTL, ILP, SCORES, STEP, XS, PKLaunch, tensor_name
 from yirage.persistent.program import PersistentProgram
 from yirage.persistent.runtime import SINGLE_DEVICE, TaskBodies
 from yirage.persistent.specs import FloatCol, IntCol
 
-RENDERER_VERSION = "1"
+RENDERER_VERSION = "2"
 GROUP = 64  # work-group size of GEMV, norm and argmax kernels (a power of two)
+#: argmax elements per work-group of its first pass (the partial maxima of a row's chunks; a second pass picks)
+ARGMAX_CHUNK = GROUP * ILP
 
 
 
@@ -134,7 +144,7 @@ class _Renderer:
                 if depth == 0:
                     break
             p, _, i = line[start + 5:end].partition(", ")
-            dtype = dtypes[p]
+            dtype = dtypes.get(p, "float32")  # not a parameter: a float32 array of the kernel's own (local memory)
             load = self.d.narrow[dtype][1].format(p=p, i=i) if dtype in self.d.narrow else f"{p}[{i}]"
             line = line[:start] + load + line[end + 1:]
         return line
@@ -147,6 +157,31 @@ class _Renderer:
         lines = [self.d.barrier, f"for (int h = {local // 2}; h > 0; h >>= 1) {{", "    if (lid < h) {"]
         lines += [f"        {c}" for c in combine]
         return lines + ["    }", f"    {self.d.barrier}", "}"]
+
+    def strided(self, count: int | str, stride: int, load: Callable[[int, str], list[str]],
+                use: Callable[[int, str], list[str]], start: str = "lid", var: str = "c", ilp: int = ILP) -> list[str]:
+        """A loop over ``var = start, start + stride, ...`` below ``count`` that issues ``ILP`` iterations' loads
+        (``load(u, at)``: lines that read element ``at`` into names ending in ``u``) before their uses
+        (``use(u, at)``), in element order; the iterations past the last whole round run one at a time as u = 0.
+        (A GPU issues in order: a load used before the next one is issued costs a memory round trip each.)"""
+        it, v = self.it, var
+        lines = [f"{it} {v} = {start};", f"for (; {v} + {(ilp - 1) * stride} < {count}; {v} += {ilp * stride}) {{"]
+        at = [f"{v} + {u * stride}" if u else v for u in range(ilp)]
+        for u in range(ilp):
+            lines += [f"    {line}" for line in load(u, at[u])]
+        for u in range(ilp):
+            lines += [f"    {line}" for line in use(u, at[u])]
+        lines += ["}", f"for (; {v} < {count}; {v} += {stride}) {{", *(f"    {line}" for line in load(0, v)),
+                  *(f"    {line}" for line in use(0, v)), "}"]
+        return ["{", *(f"    {line}" for line in lines), "}"]
+
+    @staticmethod
+    def pairwise(names: list[str]) -> str:
+        """The sum of ``names`` as a balanced tree of additions (a fixed order: the same bits on every device)."""
+        while len(names) > 1:
+            names = [f"({a} + {b})" for a, b in zip(names[::2], names[1::2], strict=False)] + (
+                [names[-1]] if len(names) % 2 else [])
+        return names[0]
 
     def begin(self) -> PKLaunch:
         p, it = self.p, self.it
@@ -207,16 +242,22 @@ class _Renderer:
         g = self.group
         self.scratch[XS] = max(self.scratch[XS], self.p.batch * k)
         _, grp, lid = self.ids()
+        f32 = self.f32
+        squares = self.strided(k, g, lambda u, c: [f"{f32} v{u} = x[b * {k} + {c}];"],
+                               lambda u, c: [f"ss{u} = ss{u} + v{u} * v{u};"])
+        scaled = self.strided(k, g, lambda u, c: [f"{f32} v{u} = x[b * {k} + {c}];",
+                                                  f"{f32} m{u} = READ(gamma, {c});"],
+                              lambda u, c: [f"xs[b * {k} + {c}] = v{u} * inv * m{u};"])
         body = [
-            f"{self.d.local} {self.f32} red[{g}];",
+            f"{self.d.local} {f32} red[{g}];",
             f"{self.it} b = {grp};", f"{self.it} lid = {lid};",
-            f"{self.f32} ss = {self.f(0)};",
-            f"for ({self.it} c = lid; c < {k}; c += {g}) {{ {self.f32} v = x[b * {k} + c]; ss = ss + v * v; }}",
-            "red[lid] = ss;",
+            *(f"{f32} ss{u} = {self.f(0)};" for u in range(ILP)),
+            *squares,
+            f"red[lid] = {self.pairwise([f'ss{u}' for u in range(ILP)])};",
             *self.tree(g, ["red[lid] = red[lid] + red[lid + h];"]),
-            f"{self.f32} inv = {self.f(1)} / {self.d.math['sqrt']}(red[0] / {self.f(k)} + "
+            f"{f32} inv = {self.f(1)} / {self.d.math['sqrt']}(red[0] / {self.f(k)} + "
             f"{self.f(self.fcol(i, FloatCol.EPS))});",
-            f"for ({self.it} c = lid; c < {k}; c += {g}) xs[b * {k} + c] = x[b * {k} + c] * inv * READ(gamma, c);",
+            *scaled,
         ]
         params = [("xs", XS, True), ("x", x, False), ("gamma", self.arg(i, "weight_norm"), False)]
         return self.kernel("y_rmsnorm", params, body, self.p.batch, g, i)
@@ -228,8 +269,11 @@ class _Renderer:
     def rmsnorm_linear(self, i: int) -> list[PKLaunch]:
         k = self.col(i, IntCol.K)
         has_bias = self.col(i, self.p.layers[i].spec.column("bias")) >= 0
-        return [self.rmsnorm(i, self.arg(i, "input"), k),
-                self.gemv(i, XS, k, self.arg(i, "weight_linear"), self.arg(i, "bias") if has_bias else None, None)]
+        bias = self.arg(i, "bias") if has_bias else None
+        if cstyle_gemv.stages_norm(self, k):
+            return [cstyle_gemv.gemv(self, i, self.arg(i, "input"), k, self.arg(i, "weight_linear"), bias, None,
+                                     norm=(self.arg(i, "weight_norm"), self.fcol(i, FloatCol.EPS)))]
+        return [self.rmsnorm(i, self.arg(i, "input"), k), self.gemv(i, XS, k, self.arg(i, "weight_linear"), bias, None)]
 
     def linear_with_residual(self, i: int) -> list[PKLaunch]:
         return [self.gemv(i, self.arg(i, "input"), self.col(i, IntCol.K), self.arg(i, "weight"), None,
@@ -283,7 +327,11 @@ class _Renderer:
         ]
         params = [("kc", kc, True), ("vc", vc, True), ("qkv", qkv, False), ("step", STEP, False),
                   ("cos", cos, False), ("sin", sin, False)]
-        launches = [self.kernel("y_kv_store", params, body, -(-total // GROUP), GROUP, i)]
+        # float32 caches: each query head's work-group rotates the new key itself and the first of its KV group
+        # stores it, so no kernel (no grid barrier) runs before the attention; a 16-bit cache keeps y_kv_store,
+        # whose store rounds what the attention then reads
+        fused = not {self.dtypes[kc], self.dtypes[vc]} & set(self.d.narrow)
+        launches = [] if fused else [self.kernel("y_kv_store", params, body, -(-total // GROUP), GROUP, i)]
         heads = batch * kv * grp_size
         self.scratch[SCORES] = max(self.scratch[SCORES], heads * seq)
         if not self.d.barrier_global:
@@ -292,7 +340,6 @@ class _Renderer:
         g = self.group
         _, grp, lid = self.ids()
         scale = self.f(1.0 / math.sqrt(d))
-        kread, vread = (f"READ({c}, kb + s * {d} + c)" for c in ("kc", "vc"))
         nan_max = "(red[lid + h] > red[lid] || red[lid + h] != red[lid + h]) ? red[lid + h] : red[lid]"
         body = [  # one work-group per query head: its threads split the positions, then the head's columns
             f"{self.d.local} {f32} qs[{d}];", f"{self.d.local} {f32} red[{g}];",
@@ -301,17 +348,23 @@ class _Renderer:
             f"{it} g = r / {grp_size};", f"{it} j = r - g * {grp_size};",
             f"{self.i64} pos = step[b];",
             f"{it} base = b * {kv * width} + g * {width} + j * {d};",
+            *(f"{self.d.local} {f32} {name}[{d}];" for name in (("ks", "vs") if fused else ())),
             f"for ({it} c = lid; c < {d}; c += {g}) {{",
             *(f"    {line}" for line in self._rope(d, "base")),
             "    qs[c] = rot;",
             "}",
+            *([f"for ({it} c = lid; c < {d}; c += {g}) {{",
+               *(f"    {line}" for line in self._new_kv(kv, grp_size, d, seq, width)), "}"] if fused else []),
             self.d.barrier,
             f"{it} kb = (b * {kv} + g) * {seq * d};",
             f"{it} sb = gid * {seq};",
             f"{f32} mx = {self.f(-math.inf)};",
             f"for ({it} s = lid; s <= pos; s += {g}) {{",
             f"    {f32} acc = {self.f(0)};",
-            f"    for ({it} c = 0; c < {d}; c++) acc = acc + qs[c] * {kread};",
+            *(["    if (s < pos) {"] if fused else []),
+            *(f"    {line}" for line in self.strided(d, 1, lambda u, c: [f"{f32} k{u} = READ(kc, kb + s * {d} + {c});"],
+                                                     lambda u, c: [f"acc = acc + qs[{c}] * k{u};"], start="0")),
+            *([f"    }} else {{ for (int c = 0; c < {d}; c++) acc = acc + qs[c] * ks[c]; }}"] if fused else []),
             f"    acc = acc * {scale};",
             "    sc[sb + s] = acc;",
             "    mx = (acc > mx || acc != acc) ? acc : mx;",
@@ -330,37 +383,86 @@ class _Renderer:
             f"{it} ob = b * {n_out} + (g * {grp_size} + j) * {d};",
             f"for ({it} c = lid; c < {d}; c += {g}) {{",
             f"    {f32} o = {self.f(0)};",
-            f"    for ({it} s = 0; s <= pos; s++) o = o + (sc[sb + s] / tot) * {vread};",
+            *(f"    {line}" for line in self.strided(
+                "pos" if fused else "pos + 1", 1,
+                lambda u, s: [f"{f32} p{u} = sc[sb + {s}];", f"{f32} v{u} = READ(vc, kb + ({s}) * {d} + c);"],
+                lambda u, s: [f"o = o + (p{u} / tot) * v{u};"], start="0", var="s", ilp=ILP // 2)),
+            *(["    o = o + (sc[sb + pos] / tot) * vs[c];"] if fused else []),
             "    out[ob + c] = o;",
             "}",
+            *([f"if (j == {grp_size - 1}) {{",
+               f"    for ({it} c = lid; c < {d}; c += {g}) {{",
+               f"        {it} at = ((b * {kv} + g) * {seq} + pos) * {d} + c; kc[at] = ks[c]; vc[at] = vs[c];",
+               "    }", "}"] if fused else []),
         ]
         params = [("out", tensor_name(self.col(i, IntCol.OUTPUT)), True), ("sc", SCORES, True),
-                  ("qkv", qkv, False), ("kc", kc, False), ("vc", vc, False), ("step", STEP, False),
+                  ("qkv", qkv, False), ("kc", kc, fused), ("vc", vc, fused), ("step", STEP, False),
                   ("cos", cos, False), ("sin", sin, False)]
         launches.append(self.kernel("y_attention", params, body, heads, g, i))
         return launches
 
+    def _new_kv(self, kv: int, grp_size: int, d: int, seq: int, width: int) -> list[str]:
+        """Column ``c`` of this row's new key (rotated) and value into local ``ks``/``vs``. The work-group of the KV
+        group's last query head stores them into the float32 caches at ``pos`` at its end (read there from the next
+        step on; no work-group reads the cache at ``pos`` in this step, and a test on PoCL, which runs work-groups
+        about in order, sees the stale value if one does)."""
+        it = self.it
+        return ["{", f"    {it} nb = b * {kv * width} + g * {width} + {grp_size * d};",
+                *(f"    {line}" for line in self._rope(d, "nb")),
+                f"    ks[c] = rot; vs[c] = qkv[nb + {d} + c];",
+                "}"]
+
+    #: (va, ia) is replaced by (vb, ib) when (vb, ib) comes first in argmax's order: a NaN beats every number, the
+    #: lower index wins a tie (equal values, or two NaNs), and an index < 0 is an empty slot
+    TAKE = ("(ib >= 0 && (ia < 0 || (vb != vb && (va == va || ib < ia)) || "
+            "(va == va && vb == vb && (vb > va || (vb == va && ib < ia)))))")
+
     def argmax(self, i: int) -> list[PKLaunch]:
+        """The first index of each row's maximum (NaN-propagating). A row of more than ``ARGMAX_CHUNK`` logits
+        takes two kernels: one work-group per chunk folds its elements (``ILP`` loads in flight per thread) into a
+        (value, index) partial in SCORES, then one work-group per row picks among the partials; a vocabulary on
+        one work-group's threads alone took 74 us on an H100."""
         vocab, g = self.col(i, IntCol.K), self.group
         it, f32, i64 = self.it, self.f32, self.i64
+        out_name = tensor_name(self.col(i, IntCol.OUTPUT))
+        out_type = self.ctype(self.dtypes[out_name])
         _, grp, lid = self.ids()
-        take = ("(ib >= 0 && (ia < 0 || (vb != vb && (va == va || ib < ia)) || "
-                "(va == va && vb == vb && (vb > va || (vb == va && ib < ia)))))")
-        body = [
-            f"{self.d.local} {f32} rv[{g}];", f"{self.d.local} {i64} ri[{g}];",
-            f"{it} b = {grp};", f"{it} lid = {lid};",
-            f"{f32} bv = {self.f(0)};", f"{i64} bi = -1;",
-            f"for ({it} c = lid; c < {vocab}; c += {g}) {{",
-            f"    {f32} v = x[b * {vocab} + c];",
-            "    if (bi < 0 || (bv == bv && (v > bv || v != v))) { bv = v; bi = c; }",
-            "}",
-            "rv[lid] = bv;", "ri[lid] = bi;",
-            *self.tree(g, [f"{f32} va = rv[lid]; {f32} vb = rv[lid + h]; {i64} ia = ri[lid]; {i64} ib = ri[lid + h];",
-                           f"if {take} {{ rv[lid] = vb; ri[lid] = ib; }}"]),
-            f"if (lid == 0) out[b] = ({self.ctype(self.dtypes[tensor_name(self.col(i, IntCol.OUTPUT))])})ri[0];",
-        ]
-        params = [("out", tensor_name(self.col(i, IntCol.OUTPUT)), True), ("x", self.arg(i, "input"), False)]
-        return [self.kernel("y_argmax", params, body, self.p.batch, g, i)]
+        parts = -(-vocab // ARGMAX_CHUNK)
+        fold = ["if (bi < 0 || (bv == bv && (v{u} > bv || v{u} != v{u}))) {{ bv = v{u}; bi = {c}; }}"]
+        tree = self.tree(g, [f"{f32} va = rv[lid]; {f32} vb = rv[lid + h]; {i64} ia = ri[lid]; {i64} ib = ri[lid + h];",
+                             f"if {self.TAKE} {{ rv[lid] = vb; ri[lid] = ib; }}"])
+        head = [f"{self.d.local} {f32} rv[{g}];", f"{self.d.local} {i64} ri[{g}];", f"{it} lid = {lid};",
+                f"{f32} bv = {self.f(0)};", f"{i64} bi = -1;"]
+        params = [("out", out_name, True), ("x", self.arg(i, "input"), False)]
+        if parts == 1:
+            body = [*head, f"{it} b = {grp};",
+                    *self.strided(vocab, g, lambda u, c: [f"{f32} v{u} = x[b * {vocab} + {c}];"],
+                                  lambda u, c: [line.format(u=u, c=c) for line in fold]),
+                    "rv[lid] = bv;", "ri[lid] = bi;", *tree, f"if (lid == 0) out[b] = ({out_type})ri[0];"]
+            return [self.kernel("y_argmax", params, body, self.p.batch, g, i)]
+        if vocab >= 1 << 24:
+            raise NotSupportedError(f"argmax over {vocab} logits: the partial maxima keep their index as a float32, "
+                                    "exact below 2**24; decode with a smaller vocabulary or on the cpu backend")
+        self.scratch[SCORES] = max(self.scratch[SCORES], self.p.batch * parts * 2)
+        # pass 1: chunk p of row b, each thread ILP elements at once (its last ones clamped into the row, unused)
+        loads = [f"{it} c{u} = cb + {u * g};" for u in range(ILP)]
+        body = [*head, f"{it} b = {grp} / {parts};", f"{it} p = {grp} - b * {parts};",
+                f"{it} cb = p * {ARGMAX_CHUNK} + lid;", *loads,
+                *(f"{f32} v{u} = x[b * {vocab} + (c{u} < {vocab} ? c{u} : 0)];" for u in range(ILP)),
+                *(f"if (c{u} < {vocab}) {fold[0].format(u=u, c=f'c{u}')}" for u in range(ILP)),
+                "rv[lid] = bv;", "ri[lid] = bi;", *tree,
+                f"if (lid == 0) {{ sc[({grp}) * 2] = rv[0]; sc[({grp}) * 2 + 1] = ({f32})ri[0]; }}"]
+        first = self.kernel("y_argmax_parts", [("sc", SCORES, True), ("x", self.arg(i, "input"), False)], body,
+                            self.p.batch * parts, g, i)
+        # pass 2: row b's partials in chunk order (each keeps the first index of its chunk's maximum)
+        body = [*head, f"{it} b = {grp};",
+                f"for ({it} q = lid; q < {parts}; q += {g}) {{", f"    {f32} v = sc[(b * {parts} + q) * 2];",
+                "    if (bi < 0 || (bv == bv && (v > bv || v != v))) {",
+                f"        bv = v; bi = ({i64})sc[(b * {parts} + q) * 2 + 1];", "    }",
+                "}",
+                "rv[lid] = bv;", "ri[lid] = bi;", *tree, f"if (lid == 0) out[b] = ({out_type})ri[0];"]
+        second = self.kernel("y_argmax", [("out", out_name, True), ("sc", SCORES, False)], body, self.p.batch, g, i)
+        return [first, second]
 
     def sample(self, i: int) -> list[PKLaunch]:
         return cstyle_sample.sample(self, i)

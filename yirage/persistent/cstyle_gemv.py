@@ -26,10 +26,11 @@ those partials pairwise, so the order differs from the reference runtime's (test
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from yirage.codegen.dialect import Dialect, WideLoad
-from yirage.persistent.cstyle_buffers import PKLaunch, tensor_name
+from yirage.persistent.cstyle_buffers import ILP, PKLaunch, tensor_name
 from yirage.persistent.cstyle_sample import Renderer as SampleRenderer
 from yirage.persistent.specs import IntCol
 
@@ -41,6 +42,9 @@ UNROLL = 8
 #: NVRTC stopped unrolling the batch loop and acc[] went to local memory (ptxas -v: 128 and 256 bytes of stack)
 LOAD_BUDGET = 64
 MAX_LOCAL_FLOATS = 4096  # the local-memory tree's partial sums: threads x batch floats at most
+#: the most floats (batch rows x K) of a normalized ``x`` a GEMV stages in local memory (8 KiB: the megakernel holds
+#: every distinct task function's local arrays at once, and 8 of its blocks share an SM)
+STAGED_FLOATS = 2048
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -50,15 +54,39 @@ class Renderer(SampleRenderer, Protocol):
     group: int
     lanes: int
 
+    def strided(self, count: int | str, stride: int, load: Callable[[int, str], list[str]],
+                use: Callable[[int, str], list[str]], start: str = "lid", var: str = "c",
+                ilp: int = ILP) -> list[str]: ...
+    def pairwise(self, names: list[str]) -> str: ...
+    def tree(self, local: int, combine: list[str]) -> list[str]: ...
 
-def gemv(r: Renderer, i: int, x: str, k: int, weight: str, bias: str | None, residual: str | None) -> PKLaunch:
-    """The GEMV kernel of layer ``i`` (module docstring); ``x`` and ``weight`` name its buffers."""
+
+def stages_norm(r: Renderer, k: int) -> bool:
+    """Whether an RMSNorm before a GEMV of ``K = k`` runs inside it (``gemv(..., norm=...)``): the GPU layout, and
+    every batch row's normalized ``x`` fits the work-group's ``STAGED_FLOATS`` of local memory."""
+    return not r.lanes and r.p.batch * k <= STAGED_FLOATS
+
+
+def gemv(r: Renderer, i: int, x: str, k: int, weight: str, bias: str | None, residual: str | None,
+         norm: tuple[str, float] | None = None) -> PKLaunch:
+    """The GEMV kernel of layer ``i`` (module docstring); ``x`` and ``weight`` name its buffers. ``norm`` (the RMSNorm
+    weight's buffer and epsilon; only where ``stages_norm``): each work-group first writes ``rmsnorm(x) * weight``
+    into local memory and reads its ``x`` there (``_staged_norm``)."""
     batch, n = r.p.batch, r.col(i, IntCol.N)
+    prologue: list[str] = []
+    if norm is not None:
+        if not stages_norm(r, k):
+            raise ValueError(f"a GEMV of K = {k} at batch {batch} cannot stage its RMSNorm (see stages_norm)")
+        prologue = _staged_norm(r, k, batch, norm[1])
     if r.lanes:
         body, groups, local = _columns(r, k, n, batch)
     else:
-        body, groups, local = _slices(r, k, n, batch, r.dtypes[weight], r.dtypes[x])
-    params = [("out", tensor_name(r.col(i, IntCol.OUTPUT)), True), ("x", x, False), ("w", weight, False)]
+        body, groups, local = _slices(r, k, n, batch, r.dtypes[weight], "local" if norm else r.dtypes[x])
+    body = prologue + body
+    params = [("out", tensor_name(r.col(i, IntCol.OUTPUT)), True), ("xin" if norm else "x", x, False),
+              ("w", weight, False)]
+    if norm is not None:
+        params.append(("gamma", norm[0], False))
     if bias is not None:
         body.append("        s = s + READ(bias, n);")
         params.append(("bias", bias, False))
@@ -67,6 +95,29 @@ def gemv(r: Renderer, i: int, x: str, k: int, weight: str, bias: str | None, res
         params.append(("res", residual, False))
     body += [f"        out[b * {n} + n] = s;", "    }", "}"]
     return r.kernel("y_gemv", params, body, groups, local, i)
+
+
+def _staged_norm(r: Renderer, k: int, batch: int, eps: float) -> list[str]:
+    """Local ``x[b * k + c] = xin[b * k + c] * inv_b * gamma[c]``, ``inv_b = 1 / sqrt(mean(xin[b]^2) + eps)``, by
+    the whole work-group: the same expressions, order of sums and tree as the RMSNorm kernel (``cstyle.rmsnorm``),
+    so the GEMV reads the bits that kernel would have written to XS, without its launch (or, in the megakernel,
+    a grid-wide barrier) and without the XS round trip through global memory."""
+    f32, it, g = r.f32, r.it, r.group
+    squares = r.strided(k, g, lambda u, c: [f"{f32} v{u} = xin[b * {k} + {c}];"],
+                        lambda u, c: [f"ss{u} = ss{u} + v{u} * v{u};"])
+    scaled = r.strided(k, g, lambda u, c: [f"{f32} v{u} = xin[b * {k} + {c}];", f"{f32} m{u} = READ(gamma, {c});"],
+                       lambda u, c: [f"x[b * {k} + {c}] = v{u} * inv * m{u};"])
+    lines = [f"{it} lid = {r.ids()[2]};", f"for (int b = 0; b < {batch}; b++) {{",
+             *(f"    {f32} ss{u} = {r.f(0)};" for u in range(ILP)),
+             *(f"    {line}" for line in squares),
+             f"    nred[lid] = {r.pairwise([f'ss{u}' for u in range(ILP)])};",
+             *(f"    {line}" for line in r.tree(g, ["nred[lid] = nred[lid] + nred[lid + h];"])),
+             f"    {f32} inv = {r.f(1)} / {r.d.math['sqrt']}(nred[0] / {r.f(k)} + {r.f(eps)});",
+             *(f"    {line}" for line in scaled),
+             f"    {r.d.barrier}",  # every thread read nred[0] before the next row's tree writes it
+             "}"]
+    return [f"{r.d.local} {f32} x[{batch * k}];", f"{r.d.local} {f32} nred[{g}];", "{",
+            *(f"    {line}" for line in lines), "}"]
 
 
 def _columns(r: Renderer, k: int, n: int, batch: int) -> tuple[list[str], int, int]:
