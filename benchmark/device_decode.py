@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # llm_oracle: the test models' init
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # profiling, when run from elsewhere
+from profiling import file_label, profile_table  # noqa: E402 - after the path
 
 SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
            "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True, "rope_theta": 100000.0,
@@ -155,22 +157,6 @@ def verdict(ours: list[list[int]], theirs: list[list[int]], logits: Any) -> str:
     return "WRONG (lengths)"
 
 
-def profile_generate(engine: Any, ids: Any, config: Any, where: Path) -> None:
-    """One more generate under torch.profiler, its busiest kernels and host calls written to ``where`` (a table):
-    where a decode step's time goes (launches, syncs, one kernel) when the ratio says it is far from the bound."""
-    import torch
-
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if engine.model.device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        engine.generate(ids, config)
-    events = prof.key_averages()
-    where.parent.mkdir(parents=True, exist_ok=True)
-    where.write_text("\n\n".join(events.table(sort_by=key, row_limit=30, max_name_column_width=70)
-                                  for key in ("self_device_time_total", "self_cpu_time_total")) + "\n")
-
-
 def yirage_run(path: Path, backend: str, ids: Any, rounds: int, profile: Path | None = None) -> dict[str, Any]:
     """yirage's greedy tokens and median decode ms/token on ``backend`` (the first generate compiles: untimed)."""
     from yirage.engine import GenerationConfig, InferEngine
@@ -184,7 +170,8 @@ def yirage_run(path: Path, backend: str, ids: Any, rounds: int, profile: Path | 
     if any(r.tokens.tolist() != first.tokens.tolist() for r in runs):
         return {"error": "greedy tokens changed between runs of the same prompt"}
     if profile is not None:
-        profile_generate(engine, ids, config, profile)
+        profile_table(lambda: engine.generate(ids, config), profile, engine.model.device.type,
+                      f"one generate of {NEW_TOKENS} tokens on {backend}")
     return {"tokens": first.tokens.tolist(), "ms_per_token": statistics.median(r.ms_per_token for r in runs),
             "ttft_ms": statistics.median(r.ttft_ms for r in runs), "first_generate_s": warm,
             "device": str(engine.model.device)}
@@ -262,8 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                 theirs, logits = oracle_tokens(oracle, ids, device)
                 try:
                     with environment(setting):
-                        label = "".join(ch if ch.isalnum() or ch in "_." else "-" for ch in spec)
-                        where = args.profile and args.profile / f"{label}-{dtype_name}.txt"
+                        where = args.profile and args.profile / f"{file_label(spec)}-{dtype_name}.txt"
                         row.update(yirage_run(path, name, ids, args.rounds, where))
                 except Exception as exc:  # noqa: BLE001 - one failing backend must not hide the others' rows
                     row["error"] = f"{type(exc).__name__}: {exc}"

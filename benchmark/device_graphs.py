@@ -24,6 +24,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -107,7 +108,8 @@ def time_interleaved(impls: dict[str, Callable[[], Any]], device: Any, calls: in
     return {f"{k}_us": statistics.median(v) for k, v in times.items() if v}
 
 
-def run_case(case: Case, backend: str, device: Any, calls: int, superoptimize: bool = False) -> dict[str, Any]:
+def run_case(case: Case, backend: str, device: Any, calls: int, superoptimize: bool = False,
+             profile: Path | None = None) -> dict[str, Any]:
     import torch
 
     import yirage as yr
@@ -135,6 +137,11 @@ def run_case(case: Case, backend: str, device: Any, calls: int, superoptimize: b
         row["superopt_plan"] = best.report.winner
         impls["superopt"] = lambda: best(inputs)
     row.update(time_interleaved(impls, device, calls))
+    if profile is not None:
+        from profiling import file_label, profile_table
+
+        profile_table(lambda: [compiled(inputs) for _ in range(5)], profile / f"{file_label(backend)}-{case.name}.txt",
+                      device.type, f"5 calls of {case.name} on {backend}")
     row["torch_over_yirage"] = row["torch_us"] / row["yirage_us"]
     if superoptimize:
         row["torch_over_superopt"] = row["torch_us"] / row["superopt_us"]
@@ -153,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="tiny shapes (a smoke run)")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--superoptimize", action="store_true", help="also time g.superoptimize()'s winner")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="also profile 5 calls of each graph (torch.profiler) into DIR/<backend>-<graph>.txt")
     args = parser.parse_args(argv)
     rows = []
     for name in args.backends:
@@ -161,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         except yr.YirageError as exc:
             rows.append({"graph": "*", "backend": name, "error": str(exc)})
             continue
-        rows += [run_case(case, name, device, args.calls, args.superoptimize) for case in cases(args.small)]
+        rows += [run_case(case, name, device, args.calls, args.superoptimize, args.profile)
+                 for case in cases(args.small)]
     print(f"{'graph':18} {'backend':8} {'yirage us':>10} {'torch us':>10} {'torch/yirage':>12}")
     for r in rows:
         if "error" in r:

@@ -14,8 +14,8 @@ GPU; CI runs that part. With a GPU:
    part) beside Hugging Face eager on the same GPU, greedy tokens compared (benchmark/device_decode.py),
    Mirage-style kernel graphs against torch eager (benchmark/device_graphs.py), and, where the budget is left,
    Llama-3.2-1B's shape in bfloat16 with its share of the read bandwidth measured in the same run (an optional
-   part: skipped or cut by the budget, it does not fail the check). The decode parts also profile one generate per
-   row (torch.profiler: each task kernel's time and count) into ``profile/``.
+   part: skipped or cut by the budget, it does not fail the check). The decode and graph parts also profile one generate
+   per row and 5 calls per graph (torch.profiler: each kernel's time and count) into ``profile/``.
 
 It prints one summary table and writes it as ``summary.json`` and ``summary.md`` with every part's full log
 (``logs/``) into ``$YIRAGE_GPU_CHECK_DIR`` (default ``build/gpu-check``). It installs nothing from the network and
@@ -213,7 +213,7 @@ def timed_parts(out: Path) -> list[Part]:
                                          f"cuda:{MEGAKERNEL[0]}={MEGAKERNEL[1]}", "--json",
                                          str(out / "decode-megakernel.json"), "--profile", str(out / "profile")], 120),
         Part("graphs-vs-torch", [PY, "benchmark/device_graphs.py", "--backends", "cuda", "triton", "--json",
-                                 str(out / "graphs.json")], 150),
+                                 str(out / "graphs.json"), "--profile", str(out / "profile")], 150),
         Part("decode-llama1b", [PY, "benchmark/device_decode.py", "--shape", "llama1b", "--dtypes", "bfloat16",
                                 "--rounds", "2", "--backends", "cuda", f"cuda:{MEGAKERNEL[0]}={MEGAKERNEL[1]}",
                                 "--json", str(out / "decode-llama1b.json")], 240, optional=True),

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from yirage.codegen import cstyle_matmul, indexing
 from yirage.codegen.dialect import Dialect, check_supported
-from yirage.codegen.emit import Emitter
+from yirage.codegen.emit import ILP, Emitter, ilp_loop
 from yirage.codegen.exprs import Spelling, UnsupportedExprError, compute_type, spell_expr
 from yirage.codegen.indexing import IndexSyntax, broadcast_strides
 from yirage.codegen.launch import Check, Gemm, Launch, Scratch
@@ -48,7 +48,7 @@ from yirage.compiler.kernel_ir import (
 )
 from yirage.graph.kernel_graph import contiguous_strides
 
-RENDERER_VERSION = "1"
+RENDERER_VERSION = "2"
 GROUP = 64  # work-group size of element-wise kernels
 FLAT_GROUP = 256  # work-group size of pointwise kernels over contiguous memory (PoCL vectorizes across them)
 ROW_GROUP_MAX = 256  # work-group size of row kernels (a power of two, at most this)
@@ -299,9 +299,13 @@ class _Renderer:
             init = self.const(0 if red.combine == "sum" else -math.inf, ct)
             combine = self.combiner(red.combine, ct)
             emit(f"{t} p_{red.var} = {init};")
-            with emit.block(f"for ({d.index_type} l = lid; l < {length}; l += {local}) {{"):
-                emit(f"p_{red.var} = {combine(f'p_{red.var}', self.expr(red.expr, load, ct))};")
-            emit("}")
+
+            def value(u: int, at: str, red=red) -> list[str]:
+                at_idx = [at if x == "l" else x for x in idx]
+                return [f"{t} e{u} = {self.expr(red.expr, self.loader(k.space, at_idx, ct), ct)};"]
+
+            self.ilp_loop("l", "lid", length, local, value,
+                          lambda u, _, red=red, combine=combine: [f"p_{red.var} = {combine(f'p_{red.var}', f'e{u}')};"])
             self._group_reduce(f"p_{red.var}", local, combine, into=f"{t} v_{red.var}")
         if k.per_row:
             out_dims = tuple(1 if i == k.axis else x for i, x in enumerate(k.space))
@@ -393,10 +397,10 @@ class _Renderer:
         with emit.block(f"for ({it} s = lid; s < n; s += {local}) {{"):
             emit(f"{t} acc = {self.const(0, ct)};")
             emit(f"{it} kr = {indexing.at('kb', 's', ks[2], self.ix)};")
-            with emit.block(f"for ({it} d = 0; d < {k.head_dim}; d++) {{"):
-                emit(f"acc = acc + {self.read(k.q, indexing.at('qb', 'd', qs[2], self.ix))} * "
-                     f"{self.read(k.k, indexing.at('kr', 'd', ks[3], self.ix))};")
-            emit("}")
+            self.ilp_loop("d", "0", k.head_dim, 1, lambda u, at: [
+                f"{t} q{u} = {self.read(k.q, indexing.at('qb', at, qs[2], self.ix))};",
+                f"{t} k{u} = {self.read(k.k, indexing.at('kr', at, ks[3], self.ix))};"],
+                lambda u, _: [f"acc = acc + q{u} * k{u};"])
             emit(f"acc = acc * {self.const(k.scale, ct)};")
             emit(f"{sc}[sb + s] = acc;")
             emit(f"mx = y_max_{s}(mx, acc);")
@@ -411,15 +415,23 @@ class _Renderer:
         self._group_reduce("tot", local, lambda a, b_: f"{a} + {b_}")
         emit(d.barrier_global)  # every thread's exp(score) stored before any thread reads them all
         emit(f"{it} ob = gid * {k.head_dim};")
-        v_at = indexing.at(indexing.at("vb", "s", vs[2], self.ix), "d", vs[3], self.ix)
         with emit.block(f"for ({it} d = lid; d < {k.head_dim}; d += {local}) {{"):
             emit(f"{t} o = {self.const(0, ct)};")
-            with emit.block(f"for ({it} s = 0; s < n; s++) {{"):
-                emit(f"o = o + ({sc}[sb + s] / tot) * {self.read(k.v, v_at)};")
-            emit("}")
+            def v_at(at: str) -> str:
+                return indexing.at(indexing.at("vb", at, vs[2], self.ix), "d", vs[3], self.ix)
+
+            self.ilp_loop("s", "0", "n", 1, lambda u, at: [
+                f"{t} w{u} = {sc}[sb + {at}];", f"{t} v{u} = {self.read(k.v, v_at(at))};"],
+                lambda u, _: [f"o = o + (w{u} / tot) * v{u};"], ilp=ILP // 2)
             emit(self.write(k.out, "ob + d", "o"))
         emit("}")
         self.close()
+
+    def ilp_loop(self, var: str, start: str, count: int | str, stride: int, values: Callable[[int, str], list[str]],
+                 fold: Callable[[int, str], list[str]], ilp: int = ILP) -> None:
+        """Emit ``emit.ilp_loop``'s lines (loads of ``ilp`` iterations in flight, folded in iteration order)."""
+        for line in ilp_loop(self.d.index_type, var, start, count, stride, values, fold, ilp):
+            self.emit(line)
 
     def _group_reduce(self, var: str, local: int, combine: Callable[[str, str], str], into: str | None = None) -> None:
         """``into`` (default ``var``) := ``combine`` of every thread's ``var``: a local-memory tree over ``red``,

@@ -32,17 +32,17 @@ contraction), NaN-propagating max, first index on argmax ties.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from yirage.codegen.dialect import Dialect
-from yirage.codegen.emit import Emitter
+from yirage.codegen.emit import ILP, Emitter, ilp_loop
 from yirage.errors import NotSupportedError
 from yirage.persistent import control, cstyle_gemv, cstyle_sample
 from yirage.persistent.control import Ctl, CtlError
-from yirage.persistent.cstyle_buffers import CTL, ILP, SCORES, STEP, XS, PKLaunch, tensor_name
+from yirage.persistent.cstyle_buffers import CTL, SCORES, STEP, XS, PKLaunch, tensor_name
 from yirage.persistent.program import PersistentProgram
 from yirage.persistent.runtime import SINGLE_DEVICE, TaskBodies
 from yirage.persistent.specs import FloatCol, IntCol
@@ -158,23 +158,6 @@ class _Renderer:
         lines += [f"        {c}" for c in combine]
         return lines + ["    }", f"    {self.d.barrier}", "}"]
 
-    def strided(self, count: int | str, stride: int, load: Callable[[int, str], list[str]],
-                use: Callable[[int, str], list[str]], start: str = "lid", var: str = "c", ilp: int = ILP) -> list[str]:
-        """A loop over ``var = start, start + stride, ...`` below ``count`` that issues ``ILP`` iterations' loads
-        (``load(u, at)``: lines that read element ``at`` into names ending in ``u``) before their uses
-        (``use(u, at)``), in element order; the iterations past the last whole round run one at a time as u = 0.
-        (A GPU issues in order: a load used before the next one is issued costs a memory round trip each.)"""
-        it, v = self.it, var
-        lines = [f"{it} {v} = {start};", f"for (; {v} + {(ilp - 1) * stride} < {count}; {v} += {ilp * stride}) {{"]
-        at = [f"{v} + {u * stride}" if u else v for u in range(ilp)]
-        for u in range(ilp):
-            lines += [f"    {line}" for line in load(u, at[u])]
-        for u in range(ilp):
-            lines += [f"    {line}" for line in use(u, at[u])]
-        lines += ["}", f"for (; {v} < {count}; {v} += {stride}) {{", *(f"    {line}" for line in load(0, v)),
-                  *(f"    {line}" for line in use(0, v)), "}"]
-        return ["{", *(f"    {line}" for line in lines), "}"]
-
     @staticmethod
     def pairwise(names: list[str]) -> str:
         """The sum of ``names`` as a balanced tree of additions (a fixed order: the same bits on every device)."""
@@ -238,27 +221,12 @@ class _Renderer:
         return [self.kernel("y_embed", params, body, -(-total // GROUP), GROUP, i)]
 
     def rmsnorm(self, i: int, x: str, k: int) -> PKLaunch:
-        """XS = rmsnorm(x) * weight_norm, one work-group per batch row."""
+        """XS = rmsnorm(x) * weight_norm, one work-group per batch row (``cstyle_gemv.norm_row``)."""
         g = self.group
         self.scratch[XS] = max(self.scratch[XS], self.p.batch * k)
         _, grp, lid = self.ids()
-        f32 = self.f32
-        squares = self.strided(k, g, lambda u, c: [f"{f32} v{u} = x[b * {k} + {c}];"],
-                               lambda u, c: [f"ss{u} = ss{u} + v{u} * v{u};"])
-        scaled = self.strided(k, g, lambda u, c: [f"{f32} v{u} = x[b * {k} + {c}];",
-                                                  f"{f32} m{u} = READ(gamma, {c});"],
-                              lambda u, c: [f"xs[b * {k} + {c}] = v{u} * inv * m{u};"])
-        body = [
-            f"{self.d.local} {f32} red[{g}];",
-            f"{self.it} b = {grp};", f"{self.it} lid = {lid};",
-            *(f"{f32} ss{u} = {self.f(0)};" for u in range(ILP)),
-            *squares,
-            f"red[lid] = {self.pairwise([f'ss{u}' for u in range(ILP)])};",
-            *self.tree(g, ["red[lid] = red[lid] + red[lid + h];"]),
-            f"{f32} inv = {self.f(1)} / {self.d.math['sqrt']}(red[0] / {self.f(k)} + "
-            f"{self.f(self.fcol(i, FloatCol.EPS))});",
-            *scaled,
-        ]
+        body = [f"{self.d.local} {self.f32} red[{g}];", f"{self.it} b = {grp};", f"{self.it} lid = {lid};",
+                *cstyle_gemv.norm_row(self, k, self.fcol(i, FloatCol.EPS), "x", "xs", "red")]
         params = [("xs", XS, True), ("x", x, False), ("gamma", self.arg(i, "weight_norm"), False)]
         return self.kernel("y_rmsnorm", params, body, self.p.batch, g, i)
 
@@ -362,8 +330,9 @@ class _Renderer:
             f"for ({it} s = lid; s <= pos; s += {g}) {{",
             f"    {f32} acc = {self.f(0)};",
             *(["    if (s < pos) {"] if fused else []),
-            *(f"    {line}" for line in self.strided(d, 1, lambda u, c: [f"{f32} k{u} = READ(kc, kb + s * {d} + {c});"],
-                                                     lambda u, c: [f"acc = acc + qs[{c}] * k{u};"], start="0")),
+            *(f"    {line}" for line in ilp_loop(it, "c", "0", d, 1,
+                                                 lambda u, c: [f"{f32} k{u} = READ(kc, kb + s * {d} + {c});"],
+                                                 lambda u, c: [f"acc = acc + qs[{c}] * k{u};"])),
             *([f"    }} else {{ for (int c = 0; c < {d}; c++) acc = acc + qs[c] * ks[c]; }}"] if fused else []),
             f"    acc = acc * {scale};",
             "    sc[sb + s] = acc;",
@@ -383,10 +352,10 @@ class _Renderer:
             f"{it} ob = b * {n_out} + (g * {grp_size} + j) * {d};",
             f"for ({it} c = lid; c < {d}; c += {g}) {{",
             f"    {f32} o = {self.f(0)};",
-            *(f"    {line}" for line in self.strided(
-                "pos" if fused else "pos + 1", 1,
-                lambda u, s: [f"{f32} p{u} = sc[sb + {s}];", f"{f32} v{u} = READ(vc, kb + ({s}) * {d} + c);"],
-                lambda u, s: [f"o = o + (p{u} / tot) * v{u};"], start="0", var="s", ilp=ILP // 2)),
+            *(f"    {line}" for line in ilp_loop(
+                it, "s", "0", "pos" if fused else "pos + 1", 1,
+                lambda u, s: [f"{f32} p{u} = sc[sb + {s}];", f"{f32} v{u} = READ(vc, kb + {s} * {d} + c);"],
+                lambda u, s: [f"o = o + (p{u} / tot) * v{u};"], ILP // 2)),
             *(["    o = o + (sc[sb + pos] / tot) * vs[c];"] if fused else []),
             "    out[ob + c] = o;",
             "}",
@@ -436,8 +405,8 @@ class _Renderer:
         params = [("out", out_name, True), ("x", self.arg(i, "input"), False)]
         if parts == 1:
             body = [*head, f"{it} b = {grp};",
-                    *self.strided(vocab, g, lambda u, c: [f"{f32} v{u} = x[b * {vocab} + {c}];"],
-                                  lambda u, c: [line.format(u=u, c=c) for line in fold]),
+                    *ilp_loop(it, "c", "lid", vocab, g, lambda u, c: [f"{f32} v{u} = x[b * {vocab} + {c}];"],
+                              lambda u, c: [line.format(u=u, c=c) for line in fold]),
                     "rv[lid] = bv;", "ri[lid] = bi;", *tree, f"if (lid == 0) out[b] = ({out_type})ri[0];"]
             return [self.kernel("y_argmax", params, body, self.p.batch, g, i)]
         if vocab >= 1 << 24:

@@ -1,4 +1,4 @@
-"""The names the C-family PersistentKernel renderer gives its buffers, its launch record and its load depth.
+"""The names the C-family PersistentKernel renderer gives its buffers, and its launch record.
 
 Shared by the renderer (``cstyle``), its sampling kernel (``cstyle_sample``) and the runtimes that allocate the
 buffers and launch what was rendered (OpenCL, cuda), so none of them imports another for a name.
@@ -15,12 +15,6 @@ from yirage.codegen.launch import Launch
 CTL, STEP, XS, SCORES = "ctl", "step", "xs", "scores"
 
 
-#: independent loads a thread issues before it uses one, in the norm, attention and argmax loops: a GPU issues in
-#: order, so a loop that uses each load before the next one waits a memory round trip per element (the first H100
-#: profile: 25 us per attention, 5 us per RMSNorm of 576, 74 us per argmax of 49152)
-ILP = 8
-
-
 def tensor_name(index: int) -> str:
     """The buffer name of program tensor ``index`` (``PKTensor.index``)."""
     return f"t{index}"
@@ -34,4 +28,4 @@ class PKLaunch(Launch):
     layer: int = -1
 
 
-__all__ = ["CTL", "ILP", "SCORES", "STEP", "XS", "PKLaunch", "tensor_name"]
+__all__ = ["CTL", "SCORES", "STEP", "XS", "PKLaunch", "tensor_name"]

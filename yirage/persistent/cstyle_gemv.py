@@ -26,11 +26,11 @@ those partials pairwise, so the order differs from the reference runtime's (test
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 from yirage.codegen.dialect import Dialect, WideLoad
-from yirage.persistent.cstyle_buffers import ILP, PKLaunch, tensor_name
+from yirage.codegen.emit import ILP, ilp_loop
+from yirage.persistent.cstyle_buffers import PKLaunch, tensor_name
 from yirage.persistent.cstyle_sample import Renderer as SampleRenderer
 from yirage.persistent.specs import IntCol
 
@@ -54,9 +54,6 @@ class Renderer(SampleRenderer, Protocol):
     group: int
     lanes: int
 
-    def strided(self, count: int | str, stride: int, load: Callable[[int, str], list[str]],
-                use: Callable[[int, str], list[str]], start: str = "lid", var: str = "c",
-                ilp: int = ILP) -> list[str]: ...
     def pairwise(self, names: list[str]) -> str: ...
     def tree(self, local: int, combine: list[str]) -> list[str]: ...
 
@@ -97,26 +94,32 @@ def gemv(r: Renderer, i: int, x: str, k: int, weight: str, bias: str | None, res
     return r.kernel("y_gemv", params, body, groups, local, i)
 
 
+def norm_row(r: Renderer, k: int, eps: float, src: str, dst: str, red: str) -> list[str]:
+    """Lines that write ``dst[b * k + c] = src[b * k + c] * inv * gamma[c]`` for batch row ``b`` with ``inv = 1 /
+    sqrt(mean(src[b]^2) + eps)``, by the whole work-group (``b``, ``lid`` and a local ``red[group]`` declared by the
+    caller): ILP partial sums per thread added pairwise, then a tree. One home for the RMSNorm kernel
+    (``cstyle.rmsnorm``) and the norm a GEMV stages, so both give the same bits."""
+    f32, g = r.f32, r.group
+    squares = ilp_loop(r.it, "c", "lid", k, g, lambda u, c: [f"{f32} v{u} = {src}[b * {k} + {c}];"],
+                       lambda u, c: [f"ss{u} = ss{u} + v{u} * v{u};"])
+    scaled = ilp_loop(r.it, "c", "lid", k, g,
+                      lambda u, c: [f"{f32} v{u} = {src}[b * {k} + {c}];", f"{f32} m{u} = READ(gamma, {c});"],
+                      lambda u, c: [f"{dst}[b * {k} + {c}] = v{u} * inv * m{u};"])
+    return [*(f"{f32} ss{u} = {r.f(0)};" for u in range(ILP)), *squares,
+            f"{red}[lid] = {r.pairwise([f'ss{u}' for u in range(ILP)])};",
+            *r.tree(g, [f"{red}[lid] = {red}[lid] + {red}[lid + h];"]),
+            f"{f32} inv = {r.f(1)} / {r.d.math['sqrt']}({red}[0] / {r.f(k)} + {r.f(eps)});", *scaled]
+
+
 def _staged_norm(r: Renderer, k: int, batch: int, eps: float) -> list[str]:
-    """Local ``x[b * k + c] = xin[b * k + c] * inv_b * gamma[c]``, ``inv_b = 1 / sqrt(mean(xin[b]^2) + eps)``, by
-    the whole work-group: the same expressions, order of sums and tree as the RMSNorm kernel (``cstyle.rmsnorm``),
-    so the GEMV reads the bits that kernel would have written to XS, without its launch (or, in the megakernel,
-    a grid-wide barrier) and without the XS round trip through global memory."""
-    f32, it, g = r.f32, r.it, r.group
-    squares = r.strided(k, g, lambda u, c: [f"{f32} v{u} = xin[b * {k} + {c}];"],
-                        lambda u, c: [f"ss{u} = ss{u} + v{u} * v{u};"])
-    scaled = r.strided(k, g, lambda u, c: [f"{f32} v{u} = xin[b * {k} + {c}];", f"{f32} m{u} = READ(gamma, {c});"],
-                       lambda u, c: [f"x[b * {k} + {c}] = v{u} * inv * m{u};"])
-    lines = [f"{it} lid = {r.ids()[2]};", f"for (int b = 0; b < {batch}; b++) {{",
-             *(f"    {f32} ss{u} = {r.f(0)};" for u in range(ILP)),
-             *(f"    {line}" for line in squares),
-             f"    nred[lid] = {r.pairwise([f'ss{u}' for u in range(ILP)])};",
-             *(f"    {line}" for line in r.tree(g, ["nred[lid] = nred[lid] + nred[lid + h];"])),
-             f"    {f32} inv = {r.f(1)} / {r.d.math['sqrt']}(nred[0] / {r.f(k)} + {r.f(eps)});",
-             *(f"    {line}" for line in scaled),
+    """Local ``x`` = every batch row's ``norm_row`` of ``xin``: the bits the RMSNorm kernel would have written to XS,
+    without its launch (or, in the megakernel, a grid-wide barrier) and without the XS round trip through global
+    memory."""
+    lines = [f"{r.it} lid = {r.ids()[2]};", f"for (int b = 0; b < {batch}; b++) {{",
+             *(f"    {line}" for line in norm_row(r, k, eps, "xin", "x", "nred")),
              f"    {r.d.barrier}",  # every thread read nred[0] before the next row's tree writes it
              "}"]
-    return [f"{r.d.local} {f32} x[{batch * k}];", f"{r.d.local} {f32} nred[{g}];", "{",
+    return [f"{r.d.local} {r.f32} x[{batch * k}];", f"{r.d.local} {r.f32} nred[{r.group}];", "{",
             *(f"    {line}" for line in lines), "}"]
 
 

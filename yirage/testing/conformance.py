@@ -118,7 +118,8 @@ def test_matmul(yirage_backend, yirage_dtypes, dtype, da, db, transposed) -> Non
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize(("dims", "dim"), [((4, 50), -1), ((4, 50), 0), ((3, 5, 7), 1), ((1, 300), 1)])
+@pytest.mark.parametrize(("dims", "dim"), [((4, 50), -1), ((4, 50), 0), ((3, 5, 7), 1), ((1, 300), 1),
+                                           ((2, 2500), -1)])  # a long row: C-family loops of several load rounds
 def test_reduction_and_softmax(yirage_backend, yirage_dtypes, dtype, dims, dim) -> None:
     _need(yirage_dtypes, dtype)
     g = yr.new_kernel_graph()
