@@ -144,7 +144,7 @@ VARIANTS = {"tree-vload": None, "shuffle-aligned": True, "shuffle-unaligned": Fa
 CASES = [(shape, dtype, variant, BATCH) for shape in SHAPES for dtype in DTYPES for variant in VARIANTS
          if (variant != "shuffle-unaligned" or shape == "smollm2-like") and shape != "wide-hidden"] + [
     ("unrolled-loop", "bfloat16", "shuffle-aligned", 9), ("unrolled-loop", "float32", "tree-vload", 9),
-    ("wide-hidden", "bfloat16", "shuffle-aligned", BATCH)]
+    ("wide-hidden", "bfloat16", "shuffle-aligned", BATCH), ("smollm2-like", "bfloat16", "shuffle-aligned", 1)]
 
 
 @opencl
@@ -162,8 +162,10 @@ def test_gpu_layout_gemv_matches_float64_on_pocl(gpu_layout, shape, dtype, varia
         assert "vload" in source, "K is a multiple of the load width: wide loads"
     heads = {x.kernel: source.split(f" {x.kernel}(")[1].split(")")[0] for x in rendered.layers}
     staged = [x for x in rendered.layers if x.kernel.startswith("y_gemv") and " xin" in heads[x.kernel]]
-    unstaged = shape == "wide-hidden"  # the RMSNorm in its own kernel: its normalized x goes through XS
-    assert ("y_rmsnorm" in source) == unstaged and len(staged) == (0 if unstaged else 2), heads
+    h, i, _ = SHAPES[shape]  # a GEMV stages its RMSNorm / silu_mul where batch x K floats fit (else their kernels)
+    norm, silu = h * batch <= cstyle_gemv.STAGED_FLOATS, i * batch <= cstyle_gemv.STAGED_FLOATS
+    assert ("y_rmsnorm" in source) != norm and ("y_silu_mul" in source) != silu, heads
+    assert len(staged) == 2 * norm + silu, heads
     assert pk(2) == 2
     check_gemvs(pk)
 
@@ -187,9 +189,12 @@ def test_each_dialect_reduces_a_row_with_what_it_declares(name) -> None:
             # an RMSNorm staged into the GEMV (cstyle_gemv._staged_norm) takes local memory and barriers of its own;
             # the row reduction after it (from the function-level red[] or lid) is what the dialect declares
             staged = " xin" in text
-            assert staged == (program.layers[x.layer].kind == "rmsnorm_linear"), (name, x)
+            k = program.layers[x.layer].inputs["input"].dims[1] // (2 if "silu" in program.layers[x.layer].kind else 1)
+            fits = program.batch * k <= cstyle_gemv.STAGED_FLOATS
+            assert staged == (fits and program.layers[x.layer].kind in ("rmsnorm_linear",
+                                                                        "silu_mul_linear_with_residual")), (name, x)
             if staged:
-                assert f"{d.local} float x[{program.batch * 576}];" in text and d.barrier in text
+                assert f"{d.local} float x[{program.batch * k}];" in text and d.barrier in text
                 text = text[re.search(r"\n    (?:\S+ )+(?:red\[|lid = )", text).start():]
             assert (d.local + " " in text) == (d.barrier in text) == (not shuffles), (name, group)
             if shuffles:

@@ -238,9 +238,9 @@ class _Renderer:
         k = self.col(i, IntCol.K)
         has_bias = self.col(i, self.p.layers[i].spec.column("bias")) >= 0
         bias = self.arg(i, "bias") if has_bias else None
-        if cstyle_gemv.stages_norm(self, k):
-            return [cstyle_gemv.gemv(self, i, self.arg(i, "input"), k, self.arg(i, "weight_linear"), bias, None,
-                                     norm=(self.arg(i, "weight_norm"), self.fcol(i, FloatCol.EPS)))]
+        if cstyle_gemv.stages(self, k):
+            stage = cstyle_gemv.Stage("rmsnorm", self.arg(i, "weight_norm"), self.fcol(i, FloatCol.EPS))
+            return [cstyle_gemv.gemv(self, i, self.arg(i, "input"), k, self.arg(i, "weight_linear"), bias, None, stage)]
         return [self.rmsnorm(i, self.arg(i, "input"), k), self.gemv(i, XS, k, self.arg(i, "weight_linear"), bias, None)]
 
     def linear_with_residual(self, i: int) -> list[PKLaunch]:
@@ -249,13 +249,16 @@ class _Renderer:
 
     def silu_mul_linear_with_residual(self, i: int) -> list[PKLaunch]:
         k, batch = self.col(i, IntCol.K), self.p.batch
+        if cstyle_gemv.stages(self, k):
+            return [cstyle_gemv.gemv(self, i, self.arg(i, "input"), k, self.arg(i, "weight"), None,
+                                     self.arg(i, "residual"), cstyle_gemv.Stage("silu_mul"))]
         self.scratch[XS] = max(self.scratch[XS], batch * k)
         it, f32 = self.it, self.f32
         body = [
             f"{it} gid = {self.ids()[0]};", f"if (gid >= {batch * k}) return;",
             f"{it} b = gid / {k};", f"{it} c = gid - b * {k};",
             f"{f32} a = gu[b * {2 * k} + c];",
-            f"xs[gid] = a / ({self.f(1)} + {self.d.math['exp']}(-a)) * gu[b * {2 * k} + {k} + c];",
+            f"xs[gid] = {cstyle_gemv.silu_mul(self, 'a', f'gu[b * {2 * k} + {k} + c]')};",
         ]
         params = [("xs", XS, True), ("gu", self.arg(i, "input"), False)]
         prep = self.kernel("y_silu_mul", params, body, -(-(batch * k) // GROUP), GROUP, i)

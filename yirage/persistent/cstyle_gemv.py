@@ -26,6 +26,7 @@ those partials pairwise, so the order differs from the reference runtime's (test
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from yirage.codegen.dialect import Dialect, WideLoad
@@ -58,32 +59,43 @@ class Renderer(SampleRenderer, Protocol):
     def tree(self, local: int, combine: list[str]) -> list[str]: ...
 
 
-def stages_norm(r: Renderer, k: int) -> bool:
-    """Whether an RMSNorm before a GEMV of ``K = k`` runs inside it (``gemv(..., norm=...)``): the GPU layout, and
-    every batch row's normalized ``x`` fits the work-group's ``STAGED_FLOATS`` of local memory."""
+@dataclass(frozen=True)
+class Stage:
+    """What a GEMV's work-groups compute into local memory before its rows read it there: ``rmsnorm`` (of ``x`` times
+    ``gamma``, epsilon ``eps``) or ``silu_mul`` (``silu(gate) * up`` of ``x``'s two halves). The kernel it replaces
+    (``y_rmsnorm``, ``y_silu_mul``), its XS round trip through global memory and, in the megakernel, a grid-wide
+    barrier go; the bits stay theirs (same expressions, same order)."""
+
+    kind: str
+    gamma: str = ""
+    eps: float = 0.0
+
+
+def stages(r: Renderer, k: int) -> bool:
+    """Whether a GEMV of ``K = k`` can stage its input (``gemv(..., stage=...)``): the GPU layout, and every batch
+    row's staged ``x`` fits the work-group's ``STAGED_FLOATS`` of local memory."""
     return not r.lanes and r.p.batch * k <= STAGED_FLOATS
 
 
 def gemv(r: Renderer, i: int, x: str, k: int, weight: str, bias: str | None, residual: str | None,
-         norm: tuple[str, float] | None = None) -> PKLaunch:
-    """The GEMV kernel of layer ``i`` (module docstring); ``x`` and ``weight`` name its buffers. ``norm`` (the RMSNorm
-    weight's buffer and epsilon; only where ``stages_norm``): each work-group first writes ``rmsnorm(x) * weight``
-    into local memory and reads its ``x`` there (``_staged_norm``)."""
+         stage: Stage | None = None) -> PKLaunch:
+    """The GEMV kernel of layer ``i`` (module docstring); ``x`` and ``weight`` name its buffers. With ``stage`` (only
+    where ``stages``), each work-group first computes its ``x`` from buffer ``x`` into local memory (``Stage``)."""
     batch, n = r.p.batch, r.col(i, IntCol.N)
     prologue: list[str] = []
-    if norm is not None:
-        if not stages_norm(r, k):
-            raise ValueError(f"a GEMV of K = {k} at batch {batch} cannot stage its RMSNorm (see stages_norm)")
-        prologue = _staged_norm(r, k, batch, norm[1])
+    if stage is not None:
+        if not stages(r, k):
+            raise ValueError(f"a GEMV of K = {k} at batch {batch} cannot stage its input (see stages)")
+        prologue = _staged(r, k, batch, stage)
     if r.lanes:
         body, groups, local = _columns(r, k, n, batch)
     else:
-        body, groups, local = _slices(r, k, n, batch, r.dtypes[weight], "local" if norm else r.dtypes[x])
+        body, groups, local = _slices(r, k, n, batch, r.dtypes[weight], "local" if stage else r.dtypes[x])
     body = prologue + body
-    params = [("out", tensor_name(r.col(i, IntCol.OUTPUT)), True), ("xin" if norm else "x", x, False),
+    params = [("out", tensor_name(r.col(i, IntCol.OUTPUT)), True), ("xin" if stage else "x", x, False),
               ("w", weight, False)]
-    if norm is not None:
-        params.append(("gamma", norm[0], False))
+    if stage is not None and stage.kind == "rmsnorm":
+        params.append(("gamma", stage.gamma, False))
     if bias is not None:
         body.append("        s = s + READ(bias, n);")
         params.append(("bias", bias, False))
@@ -92,6 +104,22 @@ def gemv(r: Renderer, i: int, x: str, k: int, weight: str, bias: str | None, res
         params.append(("res", residual, False))
     body += [f"        out[b * {n} + n] = s;", "    }", "}"]
     return r.kernel("y_gemv", params, body, groups, local, i)
+
+
+def silu_mul(r: Renderer, a: str, m: str) -> str:
+    """``silu(a) * m`` as the silu_mul kernel (``cstyle``) and the stage a GEMV computes both spell it: one home for
+    the expression, so both give the same bits."""
+    return f"{a} / ({r.f(1)} + {r.d.math['exp']}(-{a})) * {m}"
+
+
+def silu_mul_row(r: Renderer, k: int, src: str, dst: str) -> list[str]:
+    """Lines that write ``dst[b * k + c] = silu(src[b * 2k + c]) * src[b * 2k + k + c]`` for batch row ``b``, by the
+    work-group's threads (``lid`` declared by the caller)."""
+    f32 = r.f32
+    return ilp_loop(r.it, "c", "lid", k, r.group,
+                    lambda u, c: [f"{f32} a{u} = {src}[b * {2 * k} + {c}];",
+                                  f"{f32} m{u} = {src}[b * {2 * k} + {k} + {c}];"],
+                    lambda u, c: [f"{dst}[b * {k} + {c}] = {silu_mul(r, f'a{u}', f'm{u}')};"])
 
 
 def norm_row(r: Renderer, k: int, eps: float, src: str, dst: str, red: str) -> list[str]:
@@ -111,16 +139,20 @@ def norm_row(r: Renderer, k: int, eps: float, src: str, dst: str, red: str) -> l
             f"{f32} inv = {r.f(1)} / {r.d.math['sqrt']}({red}[0] / {r.f(k)} + {r.f(eps)});", *scaled]
 
 
-def _staged_norm(r: Renderer, k: int, batch: int, eps: float) -> list[str]:
-    """Local ``x`` = every batch row's ``norm_row`` of ``xin``: the bits the RMSNorm kernel would have written to XS,
-    without its launch (or, in the megakernel, a grid-wide barrier) and without the XS round trip through global
-    memory."""
-    lines = [f"{r.it} lid = {r.ids()[2]};", f"for (int b = 0; b < {batch}; b++) {{",
-             *(f"    {line}" for line in norm_row(r, k, eps, "xin", "x", "nred")),
-             f"    {r.d.barrier}",  # every thread read nred[0] before the next row's tree writes it
+def _staged(r: Renderer, k: int, batch: int, stage: Stage) -> list[str]:
+    """Local ``x`` = every batch row's ``norm_row`` or ``silu_mul_row`` of ``xin``: the bits the kernel it replaces
+    would have written to XS."""
+    if stage.kind == "rmsnorm":
+        row = norm_row(r, k, stage.eps, "xin", "x", "nred")
+        red = [f"{r.d.local} {r.f32} nred[{r.group}];"]
+    elif stage.kind == "silu_mul":
+        row, red = silu_mul_row(r, k, "xin", "x"), []
+    else:
+        raise ValueError(f"unknown GEMV stage {stage.kind!r}: rmsnorm or silu_mul")
+    lines = [f"{r.it} lid = {r.ids()[2]};", f"for (int b = 0; b < {batch}; b++) {{", *(f"    {line}" for line in row),
+             f"    {r.d.barrier}",  # x complete before the rows read it; nred[0] read before the next row's tree
              "}"]
-    return [f"{r.d.local} {r.f32} x[{batch * k}];", f"{r.d.local} {r.f32} nred[{r.group}];", "{",
-            *(f"    {line}" for line in lines), "}"]
+    return [f"{r.d.local} {r.f32} x[{batch * k}];", *red, "{", *(f"    {line}" for line in lines), "}"]
 
 
 def _columns(r: Renderer, k: int, n: int, batch: int) -> tuple[list[str], int, int]:
