@@ -306,7 +306,7 @@ class _Renderer:
 
             self.ilp_loop("l", "lid", length, local, value,
                           lambda u, _, red=red, combine=combine: [f"p_{red.var} = {combine(f'p_{red.var}', f'e{u}')};"])
-            self._group_reduce(f"p_{red.var}", local, combine, into=f"{t} v_{red.var}")
+            self.group_reduce(f"p_{red.var}", local, combine, into=f"{t} v_{red.var}")
         if k.per_row:
             out_dims = tuple(1 if i == k.axis else x for i, x in enumerate(k.space))
             out_off = indexing.offset(ridx, [s for i, s in enumerate(contiguous_strides(out_dims)) if i != k.axis],
@@ -405,14 +405,14 @@ class _Renderer:
             emit(f"{sc}[sb + s] = acc;")
             emit(f"mx = y_max_{s}(mx, acc);")
         emit("}")
-        self._group_reduce("mx", local, lambda a, b_: f"y_max_{s}({a}, {b_})")
+        self.group_reduce("mx", local, lambda a, b_: f"y_max_{s}({a}, {b_})")
         emit(f"{t} tot = {self.const(0, ct)};")
         with emit.block(f"for ({it} s = lid; s < n; s += {local}) {{"):
             emit(f"{t} e = {self.exp(ct)}({sc}[sb + s] - mx);")
             emit(f"{sc}[sb + s] = e;")
             emit("tot = tot + e;")
         emit("}")
-        self._group_reduce("tot", local, lambda a, b_: f"{a} + {b_}")
+        self.group_reduce("tot", local, lambda a, b_: f"{a} + {b_}")
         emit(d.barrier_global)  # every thread's exp(score) stored before any thread reads them all
         emit(f"{it} ob = gid * {k.head_dim};")
         with emit.block(f"for ({it} d = lid; d < {k.head_dim}; d += {local}) {{"):
@@ -433,7 +433,7 @@ class _Renderer:
         for line in ilp_loop(self.d.index_type, var, start, count, stride, values, fold, ilp):
             self.emit(line)
 
-    def _group_reduce(self, var: str, local: int, combine: Callable[[str, str], str], into: str | None = None) -> None:
+    def group_reduce(self, var: str, local: int, combine: Callable[[str, str], str], into: str | None = None) -> None:
         """``into`` (default ``var``) := ``combine`` of every thread's ``var``: a local-memory tree over ``red``,
         free again after (row kernels and attention share it)."""
         emit, d = self.emit, self.d

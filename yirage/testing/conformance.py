@@ -142,14 +142,15 @@ def test_rms_norm(yirage_backend, yirage_dtypes, dtype) -> None:
 
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("with_weight", [False, True])
-def test_rms_norm_then_matmul(yirage_backend, yirage_dtypes, dtype, with_weight) -> None:
+@pytest.mark.parametrize("k", [128, 2500])  # 2500: a C-family prologue of several load rounds per thread
+def test_rms_norm_then_matmul(yirage_backend, yirage_dtypes, dtype, with_weight, k) -> None:
     _need(yirage_dtypes, dtype)
     g = yr.new_kernel_graph()
-    x = g.new_input((8, 128), dtype=dtype)
-    w = g.new_input((128, 40), strides=(1, 128), dtype=dtype)
-    d = g.rms_norm(x, (128,))
+    x = g.new_input((8, k), dtype=dtype)
+    w = g.new_input((k, 40), strides=(1, k), dtype=dtype)
+    d = g.rms_norm(x, (k,))
     if with_weight:
-        d = g.mul(d, g.new_input((128,), dtype=dtype))
+        d = g.mul(d, g.new_input((k,), dtype=dtype))
     g.mark_output(g.silu(g.matmul(d, w)))
 
     def normed(x: torch.Tensor, *gamma: torch.Tensor) -> torch.Tensor:
