@@ -55,13 +55,25 @@ def decode(engine: InferEngine, ids, **kw):
 # every model kind once, and each weight dtype once (the interpreter is slow: the suite stays short)
 @pytest.mark.parametrize("kind, dtype", [("llama-gqa", torch.float32), ("qwen2-bias-tied", torch.bfloat16),
                                          ("mistral-gqa", torch.float16)], ids=str)
-def test_launched_decode_matches_transformers(zoo, backend, kind, dtype) -> None:
+def test_launched_decode_matches_transformers(zoo, backend, kind, dtype, monkeypatch) -> None:
+    """The qwen2 case decodes with the GEMV blocks ``_gemv_blocks`` picks from a CUDA device's SM count (2
+    programs per SM), forced to a 4-SM count (few programs: the interpreter runs each in Python): 8-32 columns a
+    program instead of 64. The others keep the fixed blocks."""
+    from yirage.persistent import launched
+
+    chosen: list[tuple[int, int]] = []
+    if kind == "qwen2-bias-tied":
+        blocks = launched.LaunchedRuntime._gemv_blocks
+        monkeypatch.setattr(launched, "_sm_count", lambda device: 4)
+        monkeypatch.setattr(launched.LaunchedRuntime, "_gemv_blocks",
+                            lambda self, *a: chosen.append(blocks(self, *a)) or chosen[-1])
     model = zoo(kind, dtype)
     engine = InferEngine(model.path, backend=backend)
     result = decode(engine, model.reference.ids)
     assert_decode_matches(short(model.reference), result.tokens, result.logits, label=f"{model.label} on {backend}")
     fast = engine.generate(model.reference.ids, GenerationConfig(max_new_tokens=NEW, eos_token_id=()))
     assert fast.tokens.tolist() == model.reference.tokens[:, :NEW].tolist()  # the whole decode in one call
+    assert all(bn <= 32 for bn, _ in chosen) and bool(chosen) == (kind == "qwen2-bias-tied"), chosen
 
 
 @pytest.mark.parametrize("name", ["no-rope", "qkv-bias-dropped"])
