@@ -238,7 +238,7 @@ class _Renderer:
         k = self.col(i, IntCol.K)
         has_bias = self.col(i, self.p.layers[i].spec.column("bias")) >= 0
         bias = self.arg(i, "bias") if has_bias else None
-        if cstyle_gemv.stages(self, k):
+        if cstyle_gemv.stages(self, k, self.col(i, IntCol.N)):
             stage = cstyle_gemv.Stage("rmsnorm", self.arg(i, "weight_norm"), self.fcol(i, FloatCol.EPS))
             return [cstyle_gemv.gemv(self, i, self.arg(i, "input"), k, self.arg(i, "weight_linear"), bias, None, stage)]
         return [self.rmsnorm(i, self.arg(i, "input"), k), self.gemv(i, XS, k, self.arg(i, "weight_linear"), bias, None)]
@@ -249,7 +249,7 @@ class _Renderer:
 
     def silu_mul_linear_with_residual(self, i: int) -> list[PKLaunch]:
         k, batch = self.col(i, IntCol.K), self.p.batch
-        if cstyle_gemv.stages(self, k):
+        if cstyle_gemv.stages(self, k, self.col(i, IntCol.N)):
             return [cstyle_gemv.gemv(self, i, self.arg(i, "input"), k, self.arg(i, "weight"), None,
                                      self.arg(i, "residual"), cstyle_gemv.Stage("silu_mul"))]
         self.scratch[XS] = max(self.scratch[XS], batch * k)

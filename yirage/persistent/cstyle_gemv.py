@@ -46,6 +46,7 @@ MAX_LOCAL_FLOATS = 4096  # the local-memory tree's partial sums: threads x batch
 #: the most floats (batch rows x K) of a normalized ``x`` a GEMV stages in local memory (8 KiB: the megakernel holds
 #: every distinct task function's local arrays at once, and 8 of its blocks share an SM)
 STAGED_FLOATS = 2048
+STAGED_GROUPS = 2048  # ... and at most this many work-groups stage it (see ``stages``)
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -71,10 +72,14 @@ class Stage:
     eps: float = 0.0
 
 
-def stages(r: Renderer, k: int) -> bool:
-    """Whether a GEMV of ``K = k`` can stage its input (``gemv(..., stage=...)``): the GPU layout, and every batch
-    row's staged ``x`` fits the work-group's ``STAGED_FLOATS`` of local memory."""
-    return not r.lanes and r.p.batch * k <= STAGED_FLOATS
+def stages(r: Renderer, k: int, n: int) -> bool:
+    """Whether a GEMV of ``K = k``, ``N = n`` stages its input (``gemv(..., stage=...)``): the GPU layout, every batch
+    row's staged ``x`` fits the work-group's ``STAGED_FLOATS`` of local memory, and there are at most
+    ``STAGED_GROUPS`` work-groups. Every work-group stages the whole ``x`` (reads of 2 x batch x K floats, from L2,
+    before its first weight load): with two rows a group that is twice the weights' bytes, worth a kernel launch
+    where the groups are few (the projections) and not for an LM head's tens of thousands."""
+    rows, _, _ = slice_shape(r.d, r.group, r.p.batch)
+    return not r.lanes and r.p.batch * k <= STAGED_FLOATS and -(-n // rows) <= STAGED_GROUPS
 
 
 def gemv(r: Renderer, i: int, x: str, k: int, weight: str, bias: str | None, residual: str | None,
@@ -84,8 +89,8 @@ def gemv(r: Renderer, i: int, x: str, k: int, weight: str, bias: str | None, res
     batch, n = r.p.batch, r.col(i, IntCol.N)
     prologue: list[str] = []
     if stage is not None:
-        if not stages(r, k):
-            raise ValueError(f"a GEMV of K = {k} at batch {batch} cannot stage its input (see stages)")
+        if not stages(r, k, n):
+            raise ValueError(f"a GEMV of K = {k}, N = {n} at batch {batch} does not stage its input (see stages)")
         prologue = _staged(r, k, batch, stage)
     if r.lanes:
         body, groups, local = _columns(r, k, n, batch)

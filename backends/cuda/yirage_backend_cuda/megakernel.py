@@ -22,9 +22,10 @@ functions of one ``__global__`` kernel, ``y_megakernel``, that stays resident fo
 The task bodies' pointers are neither ``__restrict__`` nor read-only-cache loads: a buffer one block writes in one
 layer is read by other blocks in the next, within the same launch. The grid-wide barrier count per step is the
 number of the launched runtime's kernels per step; that (not HBM bandwidth) bounds a small model's step time. The
-renderer now stages each RMSNorm and silu_mul inside the GEMV after it and stores the new key/value inside the
-attention (``cstyle``, ``cstyle_gemv.Stage``): 5 barriers per layer for a SmolLM2 shape at batch 1, down from 8
-(the first H100 run: 2.3 ms/token here, 1.7 on the launched runtime). Next: MPK's finer events per task.
+renderer now stages each RMSNorm and silu_mul inside the GEMV after it (where its work-groups are few: not the
+LM head's) and stores the new key/value inside the attention (``cstyle``, ``cstyle_gemv.Stage``): 5 barriers per
+layer for a SmolLM2 shape at batch 1, down from 8 (the first H100 run: 2.3 ms/token here, 1.7 on the launched
+runtime). Next: MPK's finer events per task; ``benchmark/grid_barrier.py`` measures what one barrier costs.
 
 Selected with ``YIRAGE_CUDA_PK_RUNTIME=megakernel`` (``launched`` is the default until a GPU run has checked this
 runtime; ``info`` and ``pk.config`` name the kind in use). A profiled run (per-task times need a launch per task)
