@@ -4,6 +4,7 @@
     python benchmark/device_decode.py --backends cuda:YIRAGE_CUDA_PK_RUNTIME=megakernel   # a runtime variant
     python benchmark/device_decode.py --backends cpu --small          # a smoke run of the same code on the CPU
     python benchmark/device_decode.py --shape llama1b --dtypes bfloat16 --backends cuda triton   # Llama-3.2-1B's
+    python benchmark/device_decode.py --backends cuda --dtypes bfloat16 --sample   # seeded sampling's cost
 
 The model has SmolLM2-135M's shape (30 layers, hidden 576, intermediate 1536, 9 query / 3 KV heads of 64, vocab
 49152, tied embeddings) and random weights initialised so its greedy output is diverse (tests/llm_oracle.py's
@@ -121,15 +122,16 @@ def oracle_tokens(oracle: Any, ids: Any, device: Any) -> tuple[list[list[int]], 
     return tokens, logits
 
 
-def hf_ms_per_token(oracle: Any, dtype: Any, ids: Any, device: Any, rounds: int) -> float:
-    """HF eager decode ms/token in ``dtype`` on ``device``: (64-token generate - 1-token generate) / 63."""
+def hf_ms_per_token(oracle: Any, dtype: Any, ids: Any, device: Any, rounds: int, sample: bool = False) -> float:
+    """HF eager decode ms/token in ``dtype`` on ``device``: (64-token generate - 1-token generate) / 63 (greedy,
+    or sampling with ``SAMPLING``)."""
     import copy
 
     import torch
 
     model = copy.deepcopy(oracle).to(device=device, dtype=dtype)
     ids = ids.to(device)
-    kwargs = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    kwargs = {"do_sample": sample, "eos_token_id": None, "pad_token_id": 0, **(SAMPLING if sample else {})}
 
     def timed(n: int) -> float:
         sync(device)
@@ -157,18 +159,24 @@ def verdict(ours: list[list[int]], theirs: list[list[int]], logits: Any) -> str:
     return "WRONG (lengths)"
 
 
-def yirage_run(path: Path, backend: str, ids: Any, rounds: int, profile: Path | None = None) -> dict[str, Any]:
-    """yirage's greedy tokens and median decode ms/token on ``backend`` (the first generate compiles: untimed)."""
+#: ``--sample``'s decode: seeded, so every run draws the same tokens (HF's peer samples with the same settings)
+SAMPLING = {"temperature": 0.8, "top_k": 50, "top_p": 0.9}
+
+
+def yirage_run(path: Path, backend: str, ids: Any, rounds: int, profile: Path | None = None,
+               sample: bool = False) -> dict[str, Any]:
+    """yirage's tokens (greedy, or seeded ``SAMPLING``) and median decode ms/token on ``backend`` (the first
+    generate compiles: untimed)."""
     from yirage.engine import GenerationConfig, InferEngine
 
     engine = InferEngine(path, backend=backend)
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=())
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=(), **(SAMPLING | {"seed": 1} if sample else {}))
     start = time.perf_counter()
     first = engine.generate(ids, config)
     warm = time.perf_counter() - start
     runs = [engine.generate(ids, config) for _ in range(rounds)]
     if any(r.tokens.tolist() != first.tokens.tolist() for r in runs):
-        return {"error": "greedy tokens changed between runs of the same prompt"}
+        return {"error": f"{'seeded' if sample else 'greedy'} tokens changed between runs of the same prompt"}
     if profile is not None:
         profile_table(lambda: engine.generate(ids, config), profile, engine.model.device.type,
                       f"one generate of {NEW_TOKENS} tokens on {backend}")
@@ -221,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=list(SHAPES), default="smollm2", help="the random model's shape")
     parser.add_argument("--small", action="store_true", help="--shape small: a 2-layer model (smoke)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--sample", action="store_true",
+                        help="decode by seeded sampling (temperature 0.8, top-k 50, top-p 0.9) instead of greedily, "
+                             "HF eager sampling the same way: the sampler's cost")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="also profile one generate per row (torch.profiler) into DIR/<backend>-<dtype>.txt")
     args = parser.parse_args(argv)
@@ -250,17 +261,20 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     with environment(setting):
                         where = args.profile and args.profile / f"{file_label(spec)}-{dtype_name}.txt"
-                        row.update(yirage_run(path, name, ids, args.rounds, where))
+                        row.update(yirage_run(path, name, ids, args.rounds, where, args.sample))
                 except Exception as exc:  # noqa: BLE001 - one failing backend must not hide the others' rows
                     row["error"] = f"{type(exc).__name__}: {exc}"
                     continue
                 if "tokens" in row:
-                    row["tokens_vs_oracle"] = verdict(row.pop("tokens"), theirs, logits)
-                row["hf_ms_per_token"] = hf_ms_per_token(oracle, dtype, ids, device, args.rounds)
+                    tokens = row.pop("tokens")
+                    row["tokens_vs_oracle"] = "sampled (seeded: equal on every run)" if args.sample else verdict(
+                        tokens, theirs, logits)
+                row["hf_ms_per_token"] = hf_ms_per_token(oracle, dtype, ids, device, args.rounds, args.sample)
                 if row.get("ms_per_token"):
                     row["hf_over_yirage"] = row["hf_ms_per_token"] / row["ms_per_token"]
                     row["share_of_bound"] = row["bound_ms"] / row["ms_per_token"]
-    print(f"decode of a {shape_name}-shaped random model, {PROMPT}-token prompt, {NEW_TOKENS} new tokens (ms/token: "
+    print(f"{'sampled' if args.sample else 'greedy'} decode of a {shape_name}-shaped random model, {PROMPT}-token "
+          f"prompt, {NEW_TOKENS} new tokens (ms/token: "
           f"median of {args.rounds}; bound: weight bytes / the read bandwidth a sum measured here)")
     width = max(10, *(len(r["backend"]) for r in rows))
     print(f"{'backend':{width}} {'dtype':9} {'yirage':>9} {'HF eager':>9} {'HF/yirage':>9} {'bound':>8} {'share':>6} "
@@ -274,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['tokens_vs_oracle']}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
-    wrong = [r for r in rows if "error" in r or not str(r.get("tokens_vs_oracle", "")).startswith(("equal", "tie"))]
+    wrong = [r for r in rows if "error" in r
+             or not str(r.get("tokens_vs_oracle", "")).startswith(("equal", "tie", "sampled"))]
     return 1 if wrong else 0
 
 

@@ -13,7 +13,8 @@ GPU; CI runs that part. With a GPU:
 2. alone, timed: decode of a SmolLM2-shaped random model on each GPU backend (and the cuda megakernel, in its own
    part) beside Hugging Face eager on the same GPU, greedy tokens compared (benchmark/device_decode.py),
    Mirage-style kernel graphs against torch eager (benchmark/device_graphs.py), the cost of one grid-wide barrier
-   of the megakernel by grid size (benchmark/grid_barrier.py, optional), and, where the budget is left,
+   of the megakernel by grid size (benchmark/grid_barrier.py, optional), a seeded sampled decode on cuda beside HF
+   sampling (optional), and, where the budget is left,
    Llama-3.2-1B's shape in bfloat16 with its share of the read bandwidth measured in the same run (an optional
    part: skipped or cut by the budget, it does not fail the check). The decode and graph parts also profile one generate
    per row and 5 calls per graph (torch.profiler: each kernel's time and count) into ``profile/``.
@@ -205,9 +206,9 @@ MEGAKERNEL = ("YIRAGE_CUDA_PK_RUNTIME", "megakernel")
 
 def timed_parts(out: Path) -> list[Part]:
     """The decodes beside HF eager (the megakernel alone in its own part: a hang there cannot cost the other rows),
-    the kernel graphs beside torch, then (optional, where the budget is left) the megakernel's grid-barrier cost and
-    Llama-3.2-1B's shape in bfloat16 on both cuda runtimes with its share of the measured read bandwidth (issue 27's
-    goal)."""
+    the kernel graphs beside torch, then (optional, where the budget is left) the megakernel's grid-barrier cost, a
+    seeded sampled decode (the sampler: one work-item per row on the C-family runtimes) and Llama-3.2-1B's shape
+    in bfloat16 on both cuda runtimes with its share of the measured read bandwidth (issue 27's goal)."""
     return [
         Part("decode-vs-hf", [PY, "benchmark/device_decode.py", "--backends", "cuda", "triton", "--json",
                               str(out / "decode.json"), "--profile", str(out / "profile")], 300),
@@ -218,6 +219,9 @@ def timed_parts(out: Path) -> list[Part]:
                                  str(out / "graphs.json"), "--profile", str(out / "profile")], 150),
         Part("grid-barrier", [PY, "benchmark/grid_barrier.py", "--json", str(out / "grid-barrier.json")], 60,
              optional=True),
+        Part("decode-sampled", [PY, "benchmark/device_decode.py", "--sample", "--dtypes", "bfloat16", "--rounds", "1",
+                                "--backends", "cuda", "--json", str(out / "decode-sampled.json"), "--profile",
+                                str(out / "profile-sampled")], 90, optional=True),
         Part("decode-llama1b", [PY, "benchmark/device_decode.py", "--shape", "llama1b", "--dtypes", "bfloat16",
                                 "--rounds", "2", "--backends", "cuda", f"cuda:{MEGAKERNEL[0]}={MEGAKERNEL[1]}",
                                 "--json", str(out / "decode-llama1b.json")], 240, optional=True),
@@ -231,7 +235,8 @@ def write_summary(out: Path, header: str, parts: list[Part], note: str) -> str:
     for p in parts:
         if p.status != "ok" and p.failures:
             lines += ["", f"{p.name} (full log: {p.log}):", *(f"    {line}" for line in p.failures)]
-    for extra in ("decode.json", "decode-megakernel.json", "graphs.json", "grid-barrier.json", "decode-llama1b.json"):
+    for extra in ("decode.json", "decode-megakernel.json", "graphs.json", "grid-barrier.json", "decode-sampled.json",
+                  "decode-llama1b.json"):
         if (out / extra).exists():
             lines += ["", f"{extra}:", "```", (out / extra).read_text().strip()[:6000], "```"]
     if note:

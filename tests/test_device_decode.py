@@ -45,3 +45,20 @@ def test_the_smoke_run_reports_the_bound_and_the_share(tmp_path: Path) -> None:
     assert row["tokens_vs_oracle"] == "equal"
     assert row["read_gb_s"] > 0 and row["bound_ms"] > 0
     assert row["share_of_bound"] == pytest.approx(row["bound_ms"] / row["ms_per_token"])
+
+
+def test_a_sampled_smoke_run_draws_the_same_tokens_every_run_and_differs_from_greedy(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """--sample decodes with the seeded sampler (the runs' tokens must agree, or the row is an error) and times HF
+    sampling the same way; the drawn tokens are not the greedy ones."""
+    drawn = []
+    run = device_decode.yirage_run
+    monkeypatch.setattr(device_decode, "yirage_run", lambda *a, **k: drawn.append(run(*a, **k)) or drawn[-1])
+    out = tmp_path / "rows.json"
+    for flags in (["--sample"], []):
+        code = device_decode.main(["--backends", "cpu", "--small", "--dtypes", "float32", "--rounds", "2",
+                                   "--json", str(out), *flags])
+        (row,) = json.loads(out.read_text())
+        assert code == 0, row
+    assert drawn[0]["tokens"] != drawn[1]["tokens"]
+    assert row["tokens_vs_oracle"] == "equal" and drawn[0]["ms_per_token"] > 0
