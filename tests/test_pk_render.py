@@ -270,3 +270,65 @@ def test_rendered_opencl_argmax_takes_the_first_maximum_and_propagates_nan(vocab
                                       f"({values[got[row]]}), want {want} ({values[want]})")
         if not nan_row:
             assert got[0] == top, "row 0's maximum is tied at index vocab - 2: the first index must win"
+
+
+@pytest.mark.parametrize("top_k, top_p", ((40, 1.0), (0, 0.3), (200, 0.6)))
+def test_rendered_opencl_sampler_over_a_wide_vocabulary_stays_in_the_top_k_and_nucleus(top_k, top_p) -> None:
+    """The C-family sampler over 3001 logits on PoCL, 16 batch rows (each its own random stream): every drawn token
+    lies in the top_k and the top_p nucleus of its row's logits as the kernel read them (softmax in float64 of
+    logits / temperature), and the rows draw different tokens. Logits: the head weights times a one-element
+    hidden state of ~1 (token 0) or ~-1 (token 1, every fourth row)."""
+    if not yr.is_backend_available("opencl"):
+        pytest.skip("the opencl backend is not available here")
+    vocab, temperature, batch = 3001, 2.0, 16
+    gen = torch.Generator().manual_seed(9)
+    print("seed 9")
+    weights = torch.randn(vocab, generator=gen) * 3
+    first = torch.tensor([1 if r % 4 == 1 else 0 for r in range(batch)])
+    pk = yr.PersistentKernel(max_seq_length=4, meta_tensors=[torch.zeros(batch, dtype=torch.int64),
+                                                             torch.stack([first, *[first * 0] * 3], 1)],
+                             backend="opencl")
+    x = pk.new_tensor((batch, 1), name="x")
+    table = torch.ones(vocab, 1)
+    table[1] = -1.0
+    pk.embed_layer(pk.tokens_tensor, pk.attach_input(table, "embed"), x)
+    logits = pk.new_tensor((batch, vocab), name="logits")
+    pk.rmsnorm_linear_layer(x, pk.attach_input(torch.ones(1), "ln"), pk.attach_input(weights[:, None].clone(), "head"),
+                            logits)
+    pk.sampling_layer(logits, pk.new_tensor((batch, 1), dtype=torch.int64, name="next"), temperature=temperature,
+                      top_k=top_k, top_p=top_p, seed=5)
+    pk.compile()
+    assert pk(1) == 1
+    got = pk.read("next").view(-1).tolist()
+    for row, values in enumerate(pk.read("logits").double()):
+        scores = values / temperature
+        order = torch.argsort(scores, descending=True)
+        rank = int((order == got[row]).nonzero())
+        if top_k:
+            assert rank < top_k, f"row {row}: token {got[row]} has rank {rank}, outside top_k={top_k}"
+        probs = torch.softmax(scores[order[: top_k or vocab]], 0)
+        above = float(probs[:rank].sum())
+        assert above < top_p + 1e-5, f"row {row}: {above:.4f} of the mass ranks above the drawn token"
+    assert len(set(got)) > 4, got
+
+
+def test_rendered_opencl_sampler_with_nothing_to_draw_from_takes_the_raw_argmax() -> None:
+    """Every score -inf or NaN (NaN scores count as -inf): the sampler returns the argmax of the raw logits, NaN
+    first (the first NaN), as the CPU runtime's sample_row does."""
+    if not yr.is_backend_available("opencl"):
+        pytest.skip("the opencl backend is not available here")
+    vocab = 3001
+    weights = torch.full((vocab,), -math.inf)
+    weights[[1234, 2000]] = math.nan
+    pk = yr.PersistentKernel(max_seq_length=4, meta_tensors=[torch.zeros(1, dtype=torch.int64),
+                                                             torch.zeros(1, 4, dtype=torch.int64)], backend="opencl")
+    x = pk.new_tensor((1, 1), name="x")
+    pk.embed_layer(pk.tokens_tensor, pk.attach_input(torch.ones(vocab, 1), "embed"), x)
+    logits = pk.new_tensor((1, vocab), name="logits")
+    pk.rmsnorm_linear_layer(x, pk.attach_input(torch.ones(1), "ln"), pk.attach_input(weights[:, None].clone(), "head"),
+                            logits)
+    pk.sampling_layer(logits, pk.new_tensor((1, 1), dtype=torch.int64, name="next"), temperature=1.0, top_k=5,
+                      top_p=0.5, seed=3)
+    pk.compile()
+    assert pk(1) == 1
+    assert pk.read("next").view(-1).tolist() == [1234]
