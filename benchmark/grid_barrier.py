@@ -58,38 +58,29 @@ __device__ __forceinline__ void y_grid_sync_tree(unsigned int* bar) {
 }
 """
 
-KERNELS = """
-extern "C" __global__ void __launch_bounds__(64) y_flat(unsigned int* bar, unsigned int* seen, long long n) {
+#: the loop each barrier is timed in (one kernel per barrier function: no call through a pointer in the loop)
+LOOP = """
+extern "C" __global__ void __launch_bounds__(64) NAME(unsigned int* bar, unsigned int* seen, long long n) {
     for (long long i = 0; i < n; i++) {
         if (threadIdx.x == 0) atomicAdd(seen + 2 * (i & 1), 1u);
-        y_grid_sync(bar);
+        SYNC(bar);
         if (blockIdx.x == 0 && threadIdx.x == 0) {
             volatile unsigned int* v = seen;
             if (v[2 * (i & 1)] != gridDim.x * (unsigned int)(i / 2 + 1)) v[1] = 1u;
         }
-        y_grid_sync(bar);
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(64) y_tree(unsigned int* bar, unsigned int* seen, long long n) {
-    for (long long i = 0; i < n; i++) {
-        if (threadIdx.x == 0) atomicAdd(seen + 2 * (i & 1), 1u);
-        y_grid_sync_tree(bar);
-        if (blockIdx.x == 0 && threadIdx.x == 0) {
-            volatile unsigned int* v = seen;
-            if (v[2 * (i & 1)] != gridDim.x * (unsigned int)(i / 2 + 1)) v[1] = 1u;
-        }
-        y_grid_sync_tree(bar);
+        SYNC(bar);
     }
 }
 """
+KERNELS = {"y_flat": "y_grid_sync", "y_tree": "y_grid_sync_tree"}  # kernel -> the barrier it loops over
 
 
 def source() -> str:
     """The megakernel's own barrier, the two-level one, and a kernel looping over each."""
     from yirage_backend_cuda.megakernel import GRID_SYNC
 
-    return GRID_SYNC + "\n" + TREE_SYNC + KERNELS
+    loops = "".join(LOOP.replace("NAME", name).replace("SYNC", sync) for name, sync in KERNELS.items())
+    return GRID_SYNC + "\n" + TREE_SYNC + loops
 
 
 def time_barriers(module: Any, kernel: str, blocks: int, barriers: int) -> tuple[float, bool]:
