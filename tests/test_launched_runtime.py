@@ -56,7 +56,7 @@ def decode(engine: InferEngine, ids, **kw):
 @pytest.mark.parametrize("kind, dtype", [("llama-gqa", torch.float32), ("qwen2-bias-tied", torch.bfloat16),
                                          ("mistral-gqa", torch.float16)], ids=str)
 def test_launched_decode_matches_transformers(zoo, backend, kind, dtype, monkeypatch) -> None:
-    """The qwen2 case decodes with the GEMV blocks ``_gemv_blocks`` picks from a CUDA device's SM count (2
+    """The qwen2 case decodes with the GEMV blocks ``_gemv_blocks`` picks from the SM count a backend passes (2
     programs per SM), forced to a 4-SM count (few programs: the interpreter runs each in Python): 8-32 columns a
     program instead of 64. The others keep the fixed blocks."""
     from yirage.persistent import launched
@@ -64,7 +64,9 @@ def test_launched_decode_matches_transformers(zoo, backend, kind, dtype, monkeyp
     chosen: list[tuple[int, int]] = []
     if kind == "qwen2-bias-tied":
         blocks = launched.LaunchedRuntime._gemv_blocks
-        monkeypatch.setattr(launched, "_sm_count", lambda device: 4)
+        init = launched.LaunchedRuntime.__init__
+        monkeypatch.setattr(launched.LaunchedRuntime, "__init__",
+                            lambda self, program, config, processors=0: init(self, program, config, 4))
         monkeypatch.setattr(launched.LaunchedRuntime, "_gemv_blocks",
                             lambda self, *a: chosen.append(blocks(self, *a)) or chosen[-1])
     model = zoo(kind, dtype)

@@ -46,15 +46,6 @@ GEMV_PROGRAMS_PER_SM = 2
 GEMV_TILE = 8192
 
 
-def _sm_count(device: Any) -> int:
-    """Streaming multiprocessors of a CUDA ``device`` (0 elsewhere: the GEMV keeps its fixed blocks)."""
-    if device.type != "cuda":
-        return 0
-    import torch
-
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 def _pow2(n: int, cap: int | None = None) -> int:
     p = 1 << max(0, int(n) - 1).bit_length()
     return min(p, cap) if cap else p
@@ -257,11 +248,13 @@ class LaunchedSteps:
 class LaunchedRuntime(LaunchedSteps):
     """Runs a frozen PersistentProgram as launched Triton kernels on its tensors' device (LaunchedSteps' loop)."""
 
-    def __init__(self, program: PersistentProgram, config: dict[str, int]) -> None:
+    def __init__(self, program: PersistentProgram, config: dict[str, int], processors: int = 0) -> None:
+        """``processors``: the device's streaming multiprocessors (compute units), as its backend reports them;
+        0 where unknown (the GEMV then keeps its fixed blocks: ``_gemv_blocks``)."""
         import torch
 
         self.tasks = importlib.import_module("yirage.persistent.triton_tasks")  # imports triton: only here
-        self.program, self.config = program, config
+        self.program, self.config, self.processors = program, config, int(processors)
         if program.tokens.dtype != torch.int64 or program.step.dtype != torch.int64:
             raise NotSupportedError("the launched PersistentKernel runtime needs int64 step and tokens tensors")
         self.device = program.tokens.device
@@ -325,11 +318,11 @@ class LaunchedRuntime(LaunchedSteps):
                                                n, k_dim, b, _pow2(b), bias is not None, res is not None, bn, bk)
 
     def _gemv_blocks(self, n: int, k_dim: int, rows: int) -> tuple[int, int]:
-        """(BN, BK) of a GEMV: ``GEMV_PROGRAMS_PER_SM`` programs per SM where the device says how many it has
+        """(BN, BK) of a GEMV: ``GEMV_PROGRAMS_PER_SM`` programs per SM where the backend said how many it has
         (columns per program: a power of two, at most 64), and K tiles of up to ``GEMV_TILE`` // (BN x batch rows)
         elements. 64 columns a program left most SMs idle on the H100 (N = 576: 9 programs; 9.3 us a GEMV where
         the C-family one took 3)."""
-        sms = _sm_count(self.device)
+        sms = self.processors
         if not sms:
             return _pow2(n, 64), _pow2(k_dim, 128)
         per_program = max(1, n // (GEMV_PROGRAMS_PER_SM * sms))

@@ -98,7 +98,11 @@ class TritonBackend(TritonStages, yirage.Backend):
         """Each decode step as launched Triton task kernels (yirage.persistent.launched: why not persistent)."""
         from yirage.persistent.launched import LaunchedRuntime
 
-        return LaunchedRuntime(program, config)
+        device = program.tokens.device
+        processors = 0
+        if device.type == "cuda":  # SMs size the GEMV's programs; the interpreter (CPU tensors) keeps fixed blocks
+            processors = importlib.import_module("torch").cuda.get_device_properties(device).multi_processor_count
+        return LaunchedRuntime(program, config, processors)
 
     def default_config(self, device: yirage.DeviceInfo) -> dict[str, int]:
         return {"num_workers": 1, "num_local_schedulers": 0}  # launches run in order on one stream
