@@ -5,13 +5,14 @@
     python benchmark/device_graphs.py --backends cuda --superoptimize   # also g.superoptimize()'s winner
 
 The graphs are the patterns Mirage's examples fuse (gated MLP, RMSNorm + linear, LoRA, GQA / MHA / MQA decode
-attention, a norm after a residual add, Qwen's pre-norm projection with bias, a wide softmax), at decode-time
-shapes. Inputs are made on the CPU (seeded), moved to the backend's torch device once, and both sides read the
-same tensors. Each graph's output is first checked against torch eager (float64 on the CPU) and a wrong graph
-gets no figure. Timing: implementations interleaved call by call, each call synchronised on the device, median
-of ``--calls`` after warm-up; ratio = torch median / yirage median (> 1: yirage is faster). With
-``--superoptimize`` the graph's superoptimized plan (``g.superoptimize()``: fusion plans verified against a float64
-oracle and timed on the device, the winner cached) is timed beside them, with the winning plan named.
+attention, a norm after a residual add, Qwen's pre-norm projection with bias, a wide softmax, QK-norm GQA, nGPT's
+unit-sphere residual, two routed experts, Chameleon's norm after a projection, a normalized two-layer MLP), at
+decode-time shapes. Inputs are made on the CPU (seeded), moved to the backend's torch device once, and both sides
+read the same tensors. Each graph's output is first checked against torch eager (float64 on the CPU) and a wrong
+graph gets no figure. Timing: implementations interleaved call by call, each call synchronised on the device, median
+of ``--calls`` after warm-up; ratio = torch median / yirage median (> 1: yirage is faster). With ``--superoptimize``
+the graph's superoptimized plan (``g.superoptimize()``: fusion plans verified against a float64 oracle and timed on
+the device, then the backend's schedule knobs, the winner cached) is timed beside them, with the winning plan named.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def cases(small: bool) -> list[Case]:
     h, ff, b = (64, 128, 2) if small else (4096, 11008, 8)
     heads, d, seq = (4, 16, 32) if small else (32, 128, 1024)
     vocab = 512 if small else 32000
+    moe = 32 if small else 2048  # each expert's width
     return [
         Case("gated_mlp", ((b, h), (h, ff), (h, ff)),
              lambda g, x, wg, wu: g.mul(g.silu(g.matmul(x, wg)), g.matmul(x, wu)),
@@ -76,7 +78,39 @@ def cases(small: bool) -> list[Case]:
              lambda g, x, gain, w, bias: g.add(g.matmul(g.mul(g.rms_norm(x, (h,)), gain), w), bias),
              lambda x, gain, w, bias: (_rms(x) * gain) @ w + bias),
         Case("softmax_vocab", ((b, vocab),), lambda g, x: g.softmax(x, -1), lambda x: x.softmax(-1)),
+        Case("qknorm_gqa", ((b, heads, d), (b, heads // 4, seq, d), (b, heads // 4, seq, d)),
+             lambda g, q, k, v: g.attention(g.rms_norm(q, (d,)), g.rms_norm(k, (d,)), v),
+             lambda q, k, v: _attention(_rms(q), _rms(k), v)),
+        Case("ngpt_norm", ((b, h), (b, h), (h,)),
+             lambda g, x, a, alpha: _g_unit(g, g.add(x, g.mul(alpha, g.sub(_g_unit(g, a), x)))),
+             lambda x, a, alpha: _unit(x + alpha * (_unit(a) - x))),
+        Case("moe_two_experts", ((b, h), (h, 1), (h, 1), (h, moe), (h, moe)),
+             lambda g, x, r1, r2, w1, w2: g.add(g.mul(g.sigmoid(g.matmul(x, r1)), g.silu(g.matmul(x, w1))),
+                                                g.mul(g.sigmoid(g.matmul(x, r2)), g.silu(g.matmul(x, w2)))),
+             lambda x, r1, r2, w1, w2: ((x @ r1).sigmoid() * torch_silu(x @ w1)
+                                        + (x @ r2).sigmoid() * torch_silu(x @ w2))),
+        Case("chameleon_linear_norm", ((b, h), (h, h), (h,)),
+             lambda g, x, w, gain: g.mul(g.rms_norm(g.matmul(x, w), (h,)), gain),
+             lambda x, w, gain: _rms(x @ w) * gain),
+        Case("norm_mlp", ((b, h), (h, h), (h, h)),
+             lambda g, x, w1, w2: g.matmul(g.silu(g.matmul(g.rms_norm(x, (h,)), w1)), w2),
+             lambda x, w1, w2: torch_silu(_rms(x) @ w1) @ w2),
     ]
+
+
+def _g_unit(g: Any, x: Any) -> Any:
+    """nGPT's normalization onto the unit sphere, in graph ops: x / sqrt(sum(x^2))."""
+    return g.div(x, g.sqrt(g.reduction(g.square(x), 1)))
+
+
+def _unit(x: Any) -> Any:
+    return x / x.square().sum(-1, keepdim=True).sqrt()
+
+
+def torch_silu(x: Any) -> Any:
+    import torch.nn.functional as F
+
+    return F.silu(x)
 
 
 def sync(device: Any) -> None:

@@ -3,13 +3,14 @@
     python benchmark/superoptimize.py --backend cpu [--small] [--budget 60] [--json out.json]
     python benchmark/superoptimize.py --backend cuda
 
-The graphs are benchmark/device_graphs.py's (gated MLP, RMSNorm + linear, LoRA, GQA / MHA / MQA decode attention,
-a norm after a residual add, Qwen's pre-norm projection with bias, a wide softmax). Per graph: the search runs
+The graphs are benchmark/device_graphs.py's 14 (gated MLP, RMSNorm + linear, LoRA, GQA / MHA / MQA decode attention,
+a norm after a residual add, Qwen's pre-norm projection with bias, a wide softmax, QK-norm GQA, nGPT's unit-sphere
+residual, two routed experts, Chameleon's norm after a projection, a normalized MLP). Per graph: the search runs
 first (its time and winner are printed; a cache hit takes no time: pass ``--fresh`` to search again), then the
-default compile, the superoptimized graph, torch eager and torch.compile (where it compiles) are timed
-interleaved call by call, each call synchronized on the device, median of ``--calls``. Every implementation's
-output is checked against torch in float64 first; a wrong one gets no figure. Ratios are against torch eager
-measured in the same run (< 1: faster than torch).
+default compile, the superoptimized graph, torch eager and torch.compile (where it compiles) are timed interleaved
+call by call, each call synchronized on the device, median of ``--calls``. Every implementation's output is checked
+against torch in float64 first; a wrong one gets no figure. Ratios are against torch eager measured in the same run
+(< 1: faster than torch).
 """
 
 from __future__ import annotations
@@ -85,21 +86,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.backend}: {exc}")
         return 2
     print(f"backend {args.backend} ({device}), {os.cpu_count()} cores; times: median of {args.calls} interleaved calls")
-    rows = [run(case, args.backend, device, args.calls, args.budget, args.fresh) for case in cases(args.small)]
     cols = ("default", "superopt", "torch", "torch.compile")
-    print(f"{'graph':18} {'search s':>8}  {'winner':28} " + " ".join(f"{c + ' us':>16}" for c in cols)
-          + "  superopt/torch  superopt/default")
-    for r in rows:
+    print(f"{'graph':18} {'search s':>8}  {'winner':40} " + " ".join(f"{c + ' us':>16}" for c in cols)
+          + "  superopt/torch  superopt/default", flush=True)
+    rows = []
+    for case in cases(args.small):  # each row printed as it is measured: a run cut short still shows its rows
+        r = run(case, args.backend, device, args.calls, args.budget, args.fresh)
+        rows.append(r)
         if "error" in r:
-            print(f"{r['graph']:18} ERROR {r['error'][:160]}")
+            print(f"{r['graph']:18} ERROR {r['error'][:160]}", flush=True)
             continue
         cells = " ".join(f"{r[c + '_us']:16.1f}" if c + "_us" in r else f"{'-':>16}" for c in cols)
         ratio = (f"{r['superopt_us'] / r['torch_us']:14.2f}x  {r['superopt_us'] / r['default_us']:15.2f}x"
                  if {"superopt_us", "torch_us", "default_us"} <= r.keys() else "")
         cached = " (cached)" if r["from_cache"] else ""
-        print(f"{r['graph']:18} {r['search_s']:8.1f}  {(r['winner'] + cached)[:28]:28} {cells}  {ratio}")
+        print(f"{r['graph']:18} {r['search_s']:8.1f}  {(r['winner'] + cached)[:40]:40} {cells}  {ratio}", flush=True)
         for key in [k for k in r if k.endswith("_error")]:
-            print(f"{'':18} {key[:-6]}: {r[key]}")
+            print(f"{'':18} {key[:-6]}: {r[key]}", flush=True)
     full = [r for r in rows if {"superopt_us", "torch_us", "default_us"} <= r.keys()]
     if full:
         print(f"median superopt/torch eager: {statistics.median(r['superopt_us'] / r['torch_us'] for r in full):.2f}x"

@@ -16,7 +16,8 @@ GPU; CI runs that part. With a GPU:
    of the megakernel by grid size (benchmark/grid_barrier.py, optional), a seeded sampled decode on cuda beside HF
    sampling (optional), and, where the budget is left,
    Llama-3.2-1B's shape in bfloat16 with its share of the read bandwidth measured in the same run (an optional
-   part: skipped or cut by the budget, it does not fail the check). The decode and graph parts also profile one generate
+   part: skipped or cut by the budget, it does not fail the check), then ``g.superoptimize()`` on cuda over the
+   same graphs (benchmark/superoptimize.py, optional). The decode and graph parts also profile one generate
    per row and 5 calls per graph (torch.profiler: each kernel's time and count) into ``profile/``.
 
 It prints one summary table and writes it as ``summary.json`` and ``summary.md`` with every part's full log
@@ -208,7 +209,9 @@ def timed_parts(out: Path) -> list[Part]:
     """The decodes beside HF eager (the megakernel alone in its own part: a hang there cannot cost the other rows),
     the kernel graphs beside torch, then (optional, where the budget is left) the megakernel's grid-barrier cost, a
     seeded sampled decode (the sampler: one work-item per row on the C-family runtimes) and Llama-3.2-1B's shape
-    in bfloat16 on both cuda runtimes with its share of the measured read bandwidth (issue 27's goal)."""
+    in bfloat16 on both cuda runtimes with its share of the measured read bandwidth (issue 27's goal), and
+    ``g.superoptimize()`` on cuda over the 14 graphs (fusion plans, then the knobs: each kernel's language, row
+    work-group sizes, cuBLAS or the generated product; 8 s of search per graph; rows print as they finish)."""
     return [
         Part("decode-vs-hf", [PY, "benchmark/device_decode.py", "--backends", "cuda", "triton", "--json",
                               str(out / "decode.json"), "--profile", str(out / "profile")], 300),
@@ -225,6 +228,9 @@ def timed_parts(out: Path) -> list[Part]:
         Part("decode-llama1b", [PY, "benchmark/device_decode.py", "--shape", "llama1b", "--dtypes", "bfloat16",
                                 "--rounds", "2", "--backends", "cuda", f"cuda:{MEGAKERNEL[0]}={MEGAKERNEL[1]}",
                                 "--json", str(out / "decode-llama1b.json")], 240, optional=True),
+        Part("graphs-superoptimized", [PY, "benchmark/superoptimize.py", "--backend", "cuda", "--budget", "8",
+                                       "--calls", "20", "--fresh", "--json", str(out / "superoptimize.json")], 240,
+             optional=True),
     ]
 
 

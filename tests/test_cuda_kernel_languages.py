@@ -365,3 +365,23 @@ def test_where_a_gpu_exists_the_conformance_kit_passes_with_either_language(sett
                           capture_output=True, text=True, timeout=420, cwd=root,
                           env={**os.environ, "YIRAGE_CUDA_KERNELS": setting})
     assert done.returncode == 0, textwrap.shorten(done.stdout[-4000:] + done.stderr[-2000:], 6000)
+
+
+def test_the_language_knob_of_a_plan_schedule_overrides_the_class_setting_per_kernel() -> None:
+    """``g.superoptimize()`` sets one kernel's language through the plan's schedule: only that kernel moves."""
+    from yirage.compiler.schedule import check_knobs, with_schedule
+
+    pytest.importorskip("triton", reason="the language knob is offered only where triton is installed")
+    plan = build_plan(split_graph())
+    b = backend("cuda")
+    knobs = check_knobs(b.schedule_knobs(plan), plan, "cuda")
+    languages = [(k.kernel, k.values) for k in knobs if k.name == "language"]
+    assert languages == [(k.name, ("cuda", "triton")) for k in plan.kernels]
+    last = plan.kernels[-1].name  # the row softmax
+    scheduled = with_schedule(plan, {last: {"language": "triton"}})
+    assert b.languages_for(scheduled) == {**dict.fromkeys((k.name for k in plan.kernels), "cuda"), last: "triton"}
+    meta = read_meta(b.render(scheduled), "plan")
+    tri = [s.kernel for s in meta.steps if isinstance(s, TritonLaunch)]
+    assert tri == [last] and read_meta(b.render(plan), "plan").triton == ()
+    row = [k.values for k in backend("row=triton").schedule_knobs(plan) if k.name == "language"][-1]
+    assert row == ("triton", "cuda")

@@ -137,3 +137,28 @@ def test_compiles_through_the_core_cache_as_opencl_source(tmp_path) -> None:  # 
     assert len(files) == 1 and "__kernel void" in files[0].read_text()
     x = torch.arange(5.0)
     assert torch.equal(run([x])[0], torch.sqrt(x))
+
+
+def test_every_row_group_size_the_renderer_offers_computes_the_softmax_and_rms_norm() -> None:
+    """The ``group`` knob (``yirage.codegen.cstyle.schedule_knobs``): each work-group size a search may pick gives
+    torch's float64 answer on rows longer and shorter than the group (tree reductions over idle lanes)."""
+    from yirage.compiler.lower import build_plan
+    from yirage.compiler.schedule import check_knobs, with_schedule
+
+    backend = registry().get("opencl")
+    gen = torch.Generator().manual_seed(5)
+    for length in (3001, 100):
+        g = yr.new_kernel_graph()
+        x, r = g.new_input((3, length)), g.new_input((3, length))
+        g.mark_output(g.softmax(x, -1))
+        g.mark_output(g.rms_norm(g.add(x, r), (length,)))
+        plan = build_plan(g)
+        knobs = [k for k in check_knobs(backend.schedule_knobs(plan), plan, "opencl") if k.name == "group"]
+        assert len(knobs) == 2 and all(len(k.values) >= (5 if length > 1000 else 2) for k in knobs), knobs
+        xs, rs = torch.randn(3, length, generator=gen) * 4, torch.randn(3, length, generator=gen)
+        want = [xs.double().softmax(-1), torch.nn.functional.rms_norm((xs + rs).double(), (length,), eps=1e-6)]
+        for column in range(max(len(k.values) for k in knobs)):
+            schedule = {k.kernel: {"group": k.values[min(column, len(k.values) - 1)]} for k in knobs}
+            run = backend.compile(with_schedule(plan, schedule), g)
+            for got, ref in zip(run([xs, rs]), want, strict=True):
+                torch.testing.assert_close(got.double(), ref, rtol=2e-5, atol=1e-6, msg=str(schedule))

@@ -63,24 +63,24 @@ def test_the_winner_is_a_verified_plan_and_matches_torch(cache) -> None:
 
 
 def test_a_wrong_candidate_is_rejected_before_timing_and_never_chosen(cache, monkeypatch) -> None:
-    """A planted broken schedule: every plan but the default computes a slightly wrong answer."""
+    """A planted broken schedule: every plan but the default (fusion and schedule) computes a slightly wrong answer."""
     real = superopt._compile
 
     def planted(graph, backend, policy, plan=None):  # noqa: ANN001, ANN202
         exe = real(graph, backend, policy, plan)
-        if policy == DEFAULT_POLICY:
+        if policy == DEFAULT_POLICY and (plan is None or not plan.schedule):
             return exe
         return lambda inputs: [o * 1.001 for o in exe(inputs)]
 
     monkeypatch.setattr(superopt, "_compile", planted)
     timed = []
     real_time = superopt._time
-    monkeypatch.setattr(superopt, "_time", lambda verified, *a: timed.append([p.name for p, *_ in verified])
+    monkeypatch.setattr(superopt, "_time", lambda verified, *a: timed.append([c.trial.policy for c in verified])
                         or real_time(verified, *a))
     best = mlp_graph().superoptimize(profile_iters=2, rounds=1, warmup_iters=0)
     rejected = [t for t in best.report.trials if not t.verified]
     assert len(rejected) == len(best.report.trials) - 1 and all("differ" in t.error for t in rejected)
-    assert timed == [[DEFAULT_POLICY.name]] and best.report.winner == DEFAULT_POLICY.name
+    assert timed[0] == [DEFAULT_POLICY.name] and best.report.winner == DEFAULT_POLICY.name
 
 
 def test_a_second_process_reads_the_winner_from_the_cache_and_a_damaged_entry_is_searched_again(cache) -> None:
@@ -124,3 +124,101 @@ def test_every_fusion_policy_gives_a_plan_equal_to_the_oracle_on_the_reference_b
     for policy in FusionPolicy.all():
         exe = superopt._compile(g.copy(), yr.backend.selection.registry().get("cpu"), policy)
         torch.testing.assert_close(exe(x)[0].double(), expected(*x), rtol=1e-4, atol=1e-5, msg=policy.name)
+
+
+def test_a_planted_wrong_knob_value_is_rejected_and_the_knobs_winner_is_cached_with_its_schedule(cache,
+                                                                                                 monkeypatch) -> None:
+    """A backend declares a knob whose one value computes a wrong answer: it is never timed or chosen; the legal
+    knobs are searched, and the cache entry holds the winning schedule (re-searched once it is no longer legal)."""
+    from yirage.backend.selection import registry
+    from yirage.compiler.schedule import Knob, choice
+
+    cpu = registry().get("cpu")
+    real_knobs, real_compile = type(cpu).schedule_knobs, type(cpu).compile
+    monkeypatch.setattr(type(cpu), "schedule_knobs",
+                        lambda self, plan: [*real_knobs(self, plan), Knob(plan.kernels[0].name, "planted", (0, 1))])
+
+    def compile_(self, plan, graph):  # noqa: ANN001, ANN202
+        run = real_compile(self, plan, graph)
+        broken = choice(plan, plan.kernels[0].name, "planted", 0) == 1
+        return (lambda inputs: [o * 1.01 + 0.01 for o in run(inputs)]) if broken else run
+
+    monkeypatch.setattr(type(cpu), "compile", compile_)
+    best = mlp_graph().superoptimize(profile_iters=2, rounds=1, warmup_iters=0)
+    planted = [t for t in best.report.trials if "planted=1" in t.policy]
+    assert len(planted) == 1 and not planted[0].verified and "differ" in planted[0].error, str(best.report)
+    assert planted[0].median_us is None and "planted" not in best.report.winner
+    strategy = [t for t in best.report.trials if "strategy=" in t.policy and "planted=1" not in t.policy]
+    assert strategy and all(t.verified and t.median_us is not None for t in strategy), str(best.report)
+    x = _inputs()
+    torch.testing.assert_close(best(x)[0].double(), expected(*x), rtol=1e-4, atol=1e-5)
+    (entry,) = (cache / "superopt").glob("*.json")
+    doc = json.loads(entry.read_text())
+    assert doc["winner"] == best.report.winner and doc["schedule"] == best.report.schedule
+    doc["schedule"] = {"k0": {"strategy": "no-such-strategy"}}
+    entry.write_text(json.dumps(doc))
+    again = mlp_graph().superoptimize(profile_iters=2, rounds=1, warmup_iters=0)
+    assert not again.report.from_cache
+
+
+def test_knobs_a_backend_gets_wrong_are_named() -> None:
+    from yirage.compiler.lower import build_plan
+    from yirage.compiler.schedule import Knob, ScheduleError, check_knobs, with_schedule
+
+    plan = build_plan(mlp_graph())
+    name = plan.kernels[0].name
+    with pytest.raises(ScheduleError, match="no kernel 'k9'"):
+        check_knobs([Knob("k9", "x", (1, 2))], plan, "fake")
+    with pytest.raises(ScheduleError, match="two or more"):
+        check_knobs([Knob(name, "x", (1,))], plan, "fake")
+    with pytest.raises(ScheduleError, match="distinct str, int or bool"):
+        check_knobs([Knob(name, "x", (1.5, 2.5))], plan, "fake")
+    with pytest.raises(ScheduleError, match="declared twice"):
+        check_knobs([Knob(name, "x", (1, 2)), Knob(name, "x", (1, 2))], plan, "fake")
+    with pytest.raises(ScheduleError, match="not a sequence"):
+        check_knobs(3, plan, "fake")
+    scheduled = with_schedule(plan, {name: {"x": 2}})
+    assert scheduled.digest != plan.digest and scheduled.schedule == {name: {"x": 2}} and not plan.schedule
+    assert with_schedule(plan, {}) is plan and f"{name}.x=2" in str(scheduled)
+
+
+def test_every_cpu_knob_value_computes_the_graph(cache) -> None:
+    """cpu's knobs (backends/cpu/.../knobs.py), every value: a row-major B of 5 rows (BLAS picked, split-K
+    offered), a pre-transposed B of 3 rows (dot products picked, BLAS offered) and rows near the parallel
+    threshold, against torch in float64."""
+    from yirage.backend.selection import registry
+    from yirage.compiler.lower import build_plan
+    from yirage.compiler.schedule import check_knobs, with_schedule
+
+    cpu = registry().get("cpu")
+    g = yr.new_kernel_graph()
+    x, w, v = g.new_input((5, 96)), g.new_input((96, 40)), g.new_input((3, 70))
+    wt = g.new_input((70, 40), strides=(1, 70))  # (K, N) viewed from a (N, K) weight: dot products' layout
+    g.mark_output(g.softmax(g.matmul(g.silu(x), w), -1))
+    g.mark_output(g.matmul(v, wt))
+    big = g.new_input((64, 2000))
+    g.mark_output(g.softmax(big, -1))
+    q, kc, vc, lengths = g.new_input((2, 6, 16)), g.new_input((2, 2, 9, 16)), g.new_input((2, 2, 9, 16)), \
+        g.new_input((2,), dtype=yr.int64)
+    g.mark_output(g.attention(q, kc, vc, lengths))
+    plan = build_plan(g)
+    knobs = check_knobs(cpu.schedule_knobs(plan), plan, "cpu")
+    values = sorted((k.name, k.values if k.name == "strategy" else tuple(sorted(k.values))) for k in knobs)
+    assert values == [("heads_per_pass", (1, 3)), ("parallel", (False, True)), ("strategy", ("blas", "split_k")),
+                      ("strategy", ("dot", "blas"))]  # the picks of the other two depend on the thread count
+    gen = torch.Generator().manual_seed(8)
+    xs, ws = torch.randn(5, 96, generator=gen), torch.randn(96, 40, generator=gen)
+    vs = torch.randn(3, 70, generator=gen)
+    wts, bigs = torch.randn(40, 70, generator=gen).t(), torch.randn(64, 2000, generator=gen) * 3
+    qs, ks, vcs = (torch.randn(*shape, generator=gen) for shape in ((2, 6, 16), (2, 2, 9, 16), (2, 2, 9, 16)))
+    ns = torch.tensor([9, 4])
+    att = [F.scaled_dot_product_attention(qs[b, :, None].double(), ks[b, :, :n].repeat_interleave(3, 0).double(),
+                                          vcs[b, :, :n].repeat_interleave(3, 0).double())[:, 0] for b, n in
+           enumerate(ns.tolist())]
+    want = [(F.silu(xs.double()) @ ws.double()).softmax(-1), vs.double() @ wts.double(), bigs.double().softmax(-1),
+            torch.stack(att)]
+    for column in (0, 1):
+        schedule = {k.kernel: {k.name: k.values[column]} for k in knobs}
+        got = cpu.compile(with_schedule(plan, schedule), g)([xs, ws, vs, wts, bigs, qs, ks, vcs, ns])
+        for out, ref in zip(got, want, strict=True):
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6, msg=str(schedule))

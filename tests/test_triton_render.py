@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -280,3 +281,29 @@ def test_other_block_sizes_give_the_same_results(tmp_path) -> None:
                         for kernel, x in program.launches]
     for got, expect in zip(program(inputs), want, strict=True):
         torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+
+
+@interpreter_only
+def test_every_block_size_the_triton_knobs_offer_computes_the_graph() -> None:
+    """The ``block`` (row) and ``block_n`` / ``block_k`` (gemv) knobs: every value a search may pick gives torch's
+    float64 answer, on a row longer than the narrowest block and a product whose K and N are not block multiples."""
+    from yirage.backend.selection import registry
+    from yirage.compiler.lower import build_plan
+    from yirage.compiler.schedule import check_knobs, with_schedule
+
+    backend = registry().get("triton")
+    g = yr.new_kernel_graph()
+    x, w = g.new_input((2, 300)), g.new_input((300, 700))
+    g.mark_output(g.softmax(g.matmul(x, w), -1))
+    plan = build_plan(g)
+    knobs = check_knobs(backend.schedule_knobs(plan), plan, "triton")
+    assert sorted(k.name for k in knobs) == ["block", "block_k", "block_n"], knobs
+    gen = torch.Generator().manual_seed(4)
+    xs, ws = torch.randn(2, 300, generator=gen), torch.randn(300, 700, generator=gen) / 20
+    want = (xs.double() @ ws.double()).softmax(-1)
+    for column in range(max(len(k.values) for k in knobs)):
+        schedule: dict[str, dict[str, Any]] = {}
+        for k in knobs:
+            schedule.setdefault(k.kernel, {})[k.name] = k.values[min(column, len(k.values) - 1)]
+        (got,) = backend.compile(with_schedule(plan, schedule), g)([xs, ws])
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7, msg=str(schedule))

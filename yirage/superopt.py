@@ -1,23 +1,28 @@
 """``g.superoptimize()``: search fused-kernel candidates on the target backend, prove them equal, time them, keep one.
 
-Mirage searches kernel and thread-block graphs for the fastest equivalent program. yirage's search space today is
-the fusion partition: every ``FusionPolicy`` (which inlinings the partitioner may make: pointwise chains, prologues
-into row ops and matmuls, epilogues, RMSNorm as a matmul row scale) gives a plan; equal plans are tried once. Per-plan
-schedule knobs declared by backends (tile sizes, work splits) are the next dimension of the same search.
+Mirage searches kernel and thread-block graphs for the fastest equivalent program. yirage searches two dimensions:
+
+1. the fusion partition: every ``FusionPolicy`` (which inlinings the partitioner may make: pointwise chains,
+   prologues into row ops and matmuls, epilogues, RMSNorm as a matmul row scale) gives a plan; equal plans are
+   tried once, and the fastest is kept;
+2. the schedule knobs the backend declares for that plan (``Backend.schedule_knobs``, ``yirage.compiler.schedule``:
+   a matmul's strategy, a kernel's thread count or work-group width...), by coordinate descent: each knob's
+   alternatives against the best so far, knob after knob. The core never knows what a knob means.
 
 Each candidate is compiled on the target backend and **verified before it is timed**: it runs on seeded random
 inputs (valid ids and lengths for embedding and attention inputs) and every output is compared with the graph
 evaluated in float64 by torch (``yirage.reference.verify``, the conformance kit's tolerances). A candidate that
 fails is never timed or chosen. The verified ones are timed on the target device in interleaved rounds, their
 order shuffled each round (warm-up first, then ``profile_iters`` calls per round, the device synchronized around
-each batch); a candidate replaces the current best only when its median beats it by more than the best's own
-spread (and at least 2%), so noise does
-not pick a winner. The default fusion is the first candidate and wins ties.
+each batch); a candidate replaces the current best only when its median beats it by more than either one's
+spread (and at least 2%), so noise does not pick a winner. The default fusion, and each knob's current value, go
+first and win ties. The search stops trying new candidates once ``time_budget_s`` is spent (the report says so).
 
-The winner is cached in the compile cache (``<cache>/superopt/<key>.json``, written privately and atomically),
-keyed by the graph's content hash (shapes, dtypes, strides, ops), the backend, its target and fingerprint and
-this search's version: a second process reuses it without searching; an entry that does not parse or names an
-unknown policy is searched again. ``YIRAGE_SUPEROPTIMIZE=0`` turns the search off (the default fusion is used).
+The winner (partition and knob values) is cached in the compile cache (``<cache>/superopt/<key>.json``, written
+privately and atomically), keyed by the graph's content hash (shapes, dtypes, strides, ops), the backend, its
+target and fingerprint and this search's version: a second process reuses it without searching; an entry that does
+not parse, names an unknown policy or a knob value the backend no longer offers is searched again.
+``YIRAGE_SUPEROPTIMIZE=0`` turns the search off (the default fusion and schedule are used).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from yirage.backend.selection import current_backend, resolve
 from yirage.compiler.cache import cache_root, private_dir, private_root, write_private
 from yirage.compiler.fusion import DEFAULT_POLICY, FusionPolicy
 from yirage.compiler.lower import build_plan
+from yirage.compiler.schedule import check_knobs, describe, legal, with_schedule
 from yirage.errors import YirageError
 from yirage.graph.kernel_graph import KernelGraph, install_superoptimizer
 from yirage.reference.magnitude import graph_oracle
@@ -46,7 +52,7 @@ from yirage.runtime.graphs import graph_dtypes
 
 logger = logging.getLogger("yirage.superopt")
 
-SEARCH_VERSION = "1"
+SEARCH_VERSION = "2"
 ENV = "YIRAGE_SUPEROPTIMIZE"
 #: Mirage's search configurations; yirage searches the same space for each (recorded in the report)
 CONFIGS = (None, "mlp", "attention", "lora")
@@ -77,6 +83,7 @@ class Report:
     config: str | None
     winner: str
     trials: list[Trial] = field(default_factory=list)
+    schedule: dict[str, dict[str, Any]] = field(default_factory=dict)  # the winner's knob values (kernel -> knob)
     seconds: float = 0.0
     from_cache: bool = False
     note: str = ""
@@ -117,7 +124,8 @@ class Superoptimized:
 def superoptimize(graph: KernelGraph, *, config: str | None = None, backend: Any = None, warmup_iters: int = 3,
                   profile_iters: int = 10, rounds: int = 5, time_budget_s: float = 60.0,
                   use_cached_graphs: bool = True, seed: int = 0) -> Superoptimized:
-    """Search ``graph``'s fusion plans on ``backend`` (module docstring); return the fastest verified one."""
+    """Search ``graph``'s fusion plans, then the chosen plan's schedule knobs, on ``backend`` (module docstring);
+    return the fastest verified candidate."""
     if config not in CONFIGS:
         raise SuperoptimizeError(f"config={config!r}: use one of {', '.join(map(repr, CONFIGS))}")
     for name, value in (("warmup_iters", warmup_iters), ("profile_iters", profile_iters), ("rounds", rounds)):
@@ -136,40 +144,99 @@ def superoptimize(graph: KernelGraph, *, config: str | None = None, backend: Any
                                                  note=f"search off ({ENV}=0)"))
     key = _key(snapshot, chosen)
     if use_cached_graphs:
-        policy = _cached(key)
-        if policy is not None:
-            exe = _compile(snapshot, chosen, policy)
-            report = Report(snapshot.digest, chosen.name, config, policy.name, from_cache=True,
-                            seconds=time.perf_counter() - started)
+        hit = _cached(key, snapshot, chosen)
+        if hit is not None:
+            policy, schedule = hit
+            exe = _compile(snapshot, chosen, policy, with_schedule(build_plan(snapshot, policy), schedule))
+            report = Report(snapshot.digest, chosen.name, config, _label(policy, schedule), schedule=schedule,
+                            from_cache=True, seconds=time.perf_counter() - started)
             return Superoptimized(graph, exe, report)
     report = Report(snapshot.digest, chosen.name, config, DEFAULT_POLICY.name)
-    deadline = started + time_budget_s
-    candidates = _candidates(snapshot, report)
-    inputs = _inputs(snapshot, chosen, seed)
-    verified = []
-    for policy, plan in _progress(candidates, "superoptimize: verify"):
-        trial = next(t for t in report.trials if t.policy == policy.name)
-        if time.perf_counter() > deadline and verified:
-            trial.error = "not tried: the time budget was spent"
-            continue
-        try:
-            exe = _compile(snapshot, chosen, policy, plan)
-            _verify(snapshot, exe, inputs)
-        except (AssertionError, YirageError, RuntimeError) as exc:  # a wrong or failing candidate is rejected
-            trial.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            logger.debug("candidate %s rejected: %s", policy.name, trial.error)
-            continue
-        trial.verified = True
-        verified.append((policy, exe, trial))
+    search = _Search(snapshot, chosen, report, _inputs(snapshot, chosen, seed), started + time_budget_s,
+                     (warmup_iters, profile_iters, rounds))
+    verified = [c for c in (search.try_plan(policy, plan, {}) for policy, plan in
+                            _progress(_candidates(snapshot, report), "superoptimize: verify")) if c is not None]
     if not verified:
         raise SuperoptimizeError(f"no candidate plan of graph {snapshot.digest[:12]} matched the float64 oracle on "
                                  f"{chosen.name}: {report.trials[0].error}; compile it with g.compile('reference')")
-    winner = _time(verified, inputs, chosen, warmup_iters, profile_iters, rounds, deadline)
-    report.winner = winner[0].name
+    best = search.fastest(verified)
+    best = search.tune(best)
+    report.winner, report.schedule = best.trial.policy, best.schedule
     report.seconds = time.perf_counter() - started
-    _store(key, winner[0], report)
+    _store(key, best.policy, best.schedule, report)
     logger.info("%s", report)
-    return Superoptimized(graph, winner[1], report)
+    return Superoptimized(graph, best.exe, report)
+
+
+@dataclass
+class _Candidate:
+    policy: FusionPolicy
+    schedule: dict[str, dict[str, Any]]
+    plan: Any  # the partition's plan without a schedule: knobs are declared for it
+    exe: Any
+    trial: Trial
+
+
+def _label(policy: FusionPolicy, schedule: dict[str, dict[str, Any]]) -> str:
+    return f"{policy.name} {describe(schedule)}" if schedule else policy.name
+
+
+class _Search:
+    """One search's state: the graph, backend, seeded inputs, deadline and report every trial is added to."""
+
+    def __init__(self, graph: KernelGraph, backend: Any, report: Report, inputs: list[Any], deadline: float,
+                 timing: tuple[int, int, int]) -> None:
+        self.graph, self.backend, self.report, self.inputs = graph, backend, report, inputs
+        self.deadline, self.timing = deadline, timing
+        self.seen = 0  # candidates verified: the budget check lets the first one through whatever the time
+
+    def try_plan(self, policy: FusionPolicy, plan: Any, schedule: dict[str, dict[str, Any]]) -> _Candidate | None:
+        """Compile and verify one candidate; None (the trial says why) when it failed or the budget was spent."""
+        trial = next((t for t in self.report.trials if t.policy == _label(policy, schedule)), None)
+        if trial is None:
+            trial = Trial(_label(policy, schedule), len(plan.kernels))
+            self.report.trials.append(trial)
+        if time.perf_counter() > self.deadline and self.seen:
+            trial.error = "not tried: the time budget was spent"
+            return None
+        try:
+            exe = _compile(self.graph, self.backend, policy, with_schedule(plan, schedule))
+            _verify(self.graph, exe, self.inputs)
+        except (AssertionError, YirageError, RuntimeError) as exc:  # a wrong or failing candidate is rejected
+            trial.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            logger.debug("candidate %s rejected: %s", trial.policy, trial.error)
+            return None
+        trial.verified = True
+        self.seen += 1
+        return _Candidate(policy, schedule, plan, exe, trial)
+
+    def fastest(self, candidates: list[_Candidate]) -> _Candidate:
+        return _time(candidates, self.inputs, self.backend, *self.timing, self.deadline)
+
+    def tune(self, best: _Candidate) -> _Candidate:
+        """Coordinate descent over the backend's knobs for ``best``'s plan: each knob's alternatives are verified
+        and timed against the current best (which keeps the lead unless clearly beaten), knob after knob, until
+        the knobs or the budget run out."""
+        knobs = check_knobs(self.backend.schedule_knobs(best.plan), best.plan, self.backend.name)
+        for knob in _progress(knobs, "superoptimize: knobs"):
+            if time.perf_counter() > self.deadline:
+                self.report.note = f"knobs after {knob.kernel}.{knob.name} not tried: the time budget was spent"
+                break
+            current = best.schedule.get(knob.kernel, {}).get(knob.name, knob.default)
+            rivals = []
+            for value in knob.values:
+                if value == current:
+                    continue
+                schedule = {kernel: dict(values) for kernel, values in best.schedule.items()}
+                schedule.setdefault(knob.kernel, {})[knob.name] = value
+                if value == knob.default:
+                    del schedule[knob.kernel][knob.name]
+                candidate = self.try_plan(best.policy, best.plan, {k: v for k, v in schedule.items() if v})
+                if candidate is not None:
+                    rivals.append(candidate)
+            if rivals:
+                best = self.fastest([best, *rivals])
+        return best
 
 
 def _candidates(graph: KernelGraph, report: Report) -> list[tuple[FusionPolicy, Any]]:
@@ -230,40 +297,41 @@ def _sync(backend: Any) -> Any:
     return getattr(module, "synchronize", None) or (lambda: None)
 
 
-def _time(verified: list[tuple[FusionPolicy, Any, Trial]], inputs: list[Any], backend: Any, warmup: int,
-          iters: int, rounds: int, deadline: float) -> tuple[FusionPolicy, Any]:
-    """Interleaved rounds of ``iters`` calls per candidate; the default keeps the lead unless clearly beaten."""
+def _time(verified: list[_Candidate], inputs: list[Any], backend: Any, warmup: int, iters: int, rounds: int,
+          deadline: float) -> _Candidate:
+    """Interleaved rounds of ``iters`` calls per candidate; the first keeps the lead unless clearly beaten."""
     sync = _sync(backend)
-    for _, exe, _ in verified:
+    for candidate in verified:
         for _ in range(warmup):
-            exe(inputs)
+            candidate.exe(inputs)
     sync()
-    samples: dict[str, list[float]] = {policy.name: [] for policy, _, _ in verified}
+    samples: dict[int, list[float]] = {id(c): [] for c in verified}
     order = list(verified)
     shuffle = random.Random(0).shuffle  # a batch pays for what the one before it left: vary who goes before whom
     for _ in _progress(range(rounds), "superoptimize: time"):
         shuffle(order)
-        for policy, exe, _ in order:
+        for candidate in order:
             start = time.perf_counter()
             for _ in range(iters):
-                exe(inputs)
+                candidate.exe(inputs)
             sync()
-            samples[policy.name].append((time.perf_counter() - start) / iters * 1e6)
+            samples[id(candidate)].append((time.perf_counter() - start) / iters * 1e6)
         if time.perf_counter() > deadline:
             break
-    best = verified[0]
-    for policy, _exe, trial in verified:
-        times = sorted(samples[policy.name])
+    for candidate in verified:
+        times = sorted(samples[id(candidate)])
+        trial = candidate.trial
         trial.median_us = statistics.median(times)
         trial.spread_us = times[(3 * len(times)) // 4] - times[len(times) // 4] if len(times) > 1 else 0.0
-        logger.debug("candidate %s: %.1f us (spread %.1f)", policy.name, trial.median_us, trial.spread_us)
-    for policy, exe, trial in verified[1:]:
-        lead = best[2]
+        logger.debug("candidate %s: %.1f us (spread %.1f)", trial.policy, trial.median_us, trial.spread_us)
+    best = verified[0]
+    for candidate in verified[1:]:
+        lead, trial = best.trial, candidate.trial
         assert lead.median_us is not None and trial.median_us is not None
         margin = max(0.02 * lead.median_us, lead.spread_us or 0.0, trial.spread_us or 0.0)
         if trial.median_us < lead.median_us - margin:
-            best = (policy, exe, trial)
-    return best[0], best[1]
+            best = candidate
+    return best
 
 
 def _progress(items: Any, what: str) -> Any:
@@ -289,8 +357,9 @@ def _entry(key: str) -> Any:
     return private_dir(private_root(cache_root()) / "superopt") / f"{key}.json"
 
 
-def _cached(key: str) -> FusionPolicy | None:
-    """The winner stored for ``key``, or None (missing, or damaged: then searched again, with a warning)."""
+def _cached(key: str, graph: KernelGraph, backend: Any) -> tuple[FusionPolicy, dict[str, dict[str, Any]]] | None:
+    """The winner stored for ``key``, or None (missing, or damaged: then searched again, with a warning). A
+    schedule must still be legal for the backend's knobs: a knob renamed or a value dropped is searched again."""
     path = _entry(key)
     if not path.is_file():
         return None
@@ -301,16 +370,22 @@ def _cached(key: str) -> FusionPolicy | None:
         policy = FusionPolicy(**doc["policy"])
         if not all(type(v) is bool for v in asdict(policy).values()):
             raise ValueError("policy flags are not booleans")
+        schedule = doc["schedule"]
+        if not isinstance(schedule, dict) or not all(isinstance(v, dict) for v in schedule.values()):
+            raise ValueError("the schedule is not a mapping of kernels to knobs")
+        plan = build_plan(graph, policy)
+        if not legal(check_knobs(backend.schedule_knobs(plan), plan, backend.name), schedule):
+            raise ValueError(f"schedule {describe(schedule)!r} is not one the backend offers now")
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
         logger.warning("superoptimize cache entry %s is damaged (%s: %s); searching again", path,
                        type(exc).__name__, exc)
         return None
-    return policy
+    return policy, schedule
 
 
-def _store(key: str, policy: FusionPolicy, report: Report) -> None:
-    doc = {"version": SEARCH_VERSION, "key": key, "policy": asdict(policy), "winner": policy.name,
-           "trials": [asdict(t) for t in report.trials]}
+def _store(key: str, policy: FusionPolicy, schedule: dict[str, dict[str, Any]], report: Report) -> None:
+    doc = {"version": SEARCH_VERSION, "key": key, "policy": asdict(policy), "schedule": schedule,
+           "winner": report.winner, "trials": [asdict(t) for t in report.trials]}
     write_private(_entry(key), json.dumps(doc, indent=1) + "\n")
 
 

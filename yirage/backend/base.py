@@ -255,6 +255,13 @@ class Backend:
         self.require_available()
         return compile_cached(self, plan)
 
+    def schedule_knobs(self, plan: Any) -> Sequence[Any]:
+        """The schedule decisions this backend's renderer would take for ``plan`` that a measured search may take
+        instead: ``yirage.compiler.schedule.Knob`` records (kernel, name, legal values with the backend's own pick
+        first). ``g.superoptimize()`` tries them; the renderer reads the chosen values back with
+        ``yirage.compiler.schedule.choice(plan, kernel, name, default)``. The default: none."""
+        return ()
+
     # -- compile stages (a backend that compiles overrides render, build and load) --
     def render(self, plan: Any) -> str:
         """Stage 1: the source text of a KernelPlan (pure: the same plan gives the same text).

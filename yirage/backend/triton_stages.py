@@ -81,6 +81,12 @@ class TritonStages:
     #: a vendor fork that lacks an option overrides this
     triton_launch_options: dict[str, Any] = {"enable_fp_fusion": False}
 
+    def schedule_knobs(self, plan: Any) -> list[Any]:
+        """The Triton renderer's knobs (row BLOCK, gemv BLOCK_N / BLOCK_K) for ``g.superoptimize()``."""
+        from yirage.codegen.triton import schedule_knobs
+
+        return schedule_knobs(plan)
+
     def render(self, plan: Any) -> str:
         """Stage 1: the Triton module of ``plan`` behind one JSON comment line describing its launch."""
         return render_source(plan)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from yirage.codegen import cstyle_matmul, indexing
 from yirage.codegen.dialect import Dialect, check_supported
 from yirage.codegen.emit import ILP, Emitter, ilp_loop
-from yirage.codegen.exprs import Spelling, UnsupportedExprError, compute_type, spell_expr
+from yirage.codegen.exprs import STASH, Spelling, UnsupportedExprError, compute_type, row_stash, spell_expr
 from yirage.codegen.indexing import IndexSyntax, broadcast_strides
 from yirage.codegen.launch import Check, Gemm, Launch, Scratch
 from yirage.compiler.kernel_ir import (
@@ -46,12 +46,14 @@ from yirage.compiler.kernel_ir import (
     Pointwise,
     Row,
 )
+from yirage.compiler.schedule import Knob, choice
 from yirage.graph.kernel_graph import contiguous_strides
 
-RENDERER_VERSION = "2"
+RENDERER_VERSION = "3"  # 3: a row kernel stashes what its last sum and its output share (softmax exp)
 GROUP = 64  # work-group size of element-wise kernels
 FLAT_GROUP = 256  # work-group size of pointwise kernels over contiguous memory (PoCL vectorizes across them)
-ROW_GROUP_MAX = 256  # work-group size of row kernels (a power of two, at most this)
+ROW_GROUP_MAX = 256  # work-group size of row kernels (a power of two, at most this) ...
+ROW_GROUPS = (64, 128, 256, 512, 1024)  # ... and the sizes a search may pick instead (the ``group`` knob)
 SUFFIX = {"float32": "f32", "float64": "f64", "int32": "i32", "int64": "i64"}
 
 
@@ -285,7 +287,7 @@ class _Renderer:
         length = k.space[k.axis]
         row_dims = [x for i, x in enumerate(k.space) if i != k.axis]
         rows = max(1, math.prod(row_dims))
-        local = min(ROW_GROUP_MAX, 1 << max(0, (length - 1).bit_length()))
+        local = choice(self.plan, k.name, "group", row_group(length))
         self.kernel(k.name, [k.out] + k.reads(), rows, local)
         emit(f"{d.local} {t} red[{local}];")
         emit(f"{d.index_type} r = {d.ids['group']};")
@@ -295,6 +297,10 @@ class _Renderer:
         idx = list(ridx)
         idx.insert(k.axis, "l")
         load = self.loader(k.space, idx, ct)
+        # a value both the last sum and the output compute (softmax's exp) is stored in the output row by the sum
+        # and read back by the output loop: each thread reads only what it wrote (both loops give element l to
+        # thread l % local), exact where the output holds the compute type
+        stashed, out_expr = row_stash(k.reductions, k.out_expr, k.per_row, exact=k.out not in self.narrow)
         for red in k.reductions:
             init = self.const(0 if red.combine == "sum" else -math.inf, ct)
             combine = self.combiner(red.combine, ct)
@@ -304,8 +310,14 @@ class _Renderer:
                 at_idx = [at if x == "l" else x for x in idx]
                 return [f"{t} e{u} = {self.expr(red.expr, self.loader(k.space, at_idx, ct), ct)};"]
 
-            self.ilp_loop("l", "lid", length, local, value,
-                          lambda u, _, red=red, combine=combine: [f"p_{red.var} = {combine(f'p_{red.var}', f'e{u}')};"])
+            def fold(u: int, at: str, red=red, combine=combine) -> list[str]:
+                line = f"p_{red.var} = {combine(f'p_{red.var}', f'e{u}')};"
+                if stashed is None or red is not k.reductions[-1]:
+                    return [line]
+                at_idx = [at if x == "l" else x for x in idx]  # stored after every load of the round is in flight
+                return [self.write(k.out, indexing.offset(at_idx, contiguous_strides(k.space), self.ix), f"e{u}"), line]
+
+            self.ilp_loop("l", "lid", length, local, value, fold)
             self.group_reduce(f"p_{red.var}", local, combine, into=f"{t} v_{red.var}")
         if k.per_row:
             out_dims = tuple(1 if i == k.axis else x for i, x in enumerate(k.space))
@@ -319,7 +331,9 @@ class _Renderer:
         else:
             out_off = indexing.offset(idx, contiguous_strides(k.space), self.ix)
             with emit.block(f"for ({d.index_type} l = lid; l < {length}; l += {local}) {{"):
-                emit(self.write(k.out, out_off, self.expr(k.out_expr, load, ct)))
+                if stashed is not None:
+                    emit(f"{t} v_{STASH} = {self.read(k.out, out_off)};")
+                emit(self.write(k.out, out_off, self.expr(out_expr, load, ct)))
             emit("}")
         self.close()
 
@@ -477,6 +491,32 @@ def _loads(e: Expr) -> list[Load]:
     if isinstance(e, Load):
         return [e]
     return [ld for a in getattr(e, "args", ()) for ld in _loads(a)]
+
+
+def row_group(length: int) -> int:
+    """The work-group size of a row kernel over rows of ``length``: the row's power of two, at most ROW_GROUP_MAX."""
+    return min(ROW_GROUP_MAX, 1 << max(0, (length - 1).bit_length()))
+
+
+def schedule_knobs(plan: KernelPlan, dialect: Dialect, max_group: int = 1024) -> list[Knob]:
+    """The decisions of this renderer a measured search may overturn (``yirage.compiler.schedule``): a row kernel's
+    work-group size (``group``: wider groups put more loads in flight on a GPU, narrower ones leave more groups per
+    core), and on a ``host_gemm`` dialect whether a float product goes to the vendor BLAS (``host_gemm``) or to the
+    generated kernel, where the size threshold ``HOST_GEMM_MIN_MNK`` decides by itself. ``max_group``: the
+    device's largest work-group."""
+    from yirage.codegen.cstyle_matmul import host_gemm_choices
+
+    renderer, knobs = _Renderer(plan, dialect), []
+    for k in plan.kernels:
+        if isinstance(k, Row):
+            length = k.space[k.axis]
+            pick = row_group(length)
+            sizes = [g for g in ROW_GROUPS if g != pick and g // 2 < length and g <= max_group]  # none twice the row
+            if sizes:
+                knobs.append(Knob(k.name, "group", (pick, *sizes), "work-group size of the row kernel"))
+        elif isinstance(k, Matmul) and (values := host_gemm_choices(renderer, k)):
+            knobs.append(Knob(k.name, "host_gemm", values, "the vendor BLAS or the generated product"))
+    return knobs
 
 
 def render(plan: KernelPlan, dialect: Dialect) -> Rendered:

@@ -60,6 +60,7 @@ from yirage.codegen.exprs import compute_type
 from yirage.codegen.indexing import IndexSyntax, broadcast_strides
 from yirage.codegen.launch import Check, Gemm, Launch
 from yirage.compiler.kernel_ir import Buffer, Expr, Load, Matmul, Var, loads
+from yirage.compiler.schedule import choice
 from yirage.graph.kernel_graph import contiguous_strides
 
 GROUP = 64  # work-group size of the naive kernels
@@ -128,7 +129,7 @@ def matmul(r: Renderer, k: Matmul) -> None:
     ct = compute_type(r.buffers[k.out])
     nb = max(1, math.prod(k.batch))
     scale = k.row_scale is not None
-    host = _host_gemm(r, k, ct, nb)
+    host = _host_gemm(r, k, ct, nb, choice(r.plan, k.name, "host_gemm", None))
     a_names = list(dict.fromkeys(loads(k.a) + (loads(k.row_scale) if k.row_scale is not None else [])))
     a_src = _plain_a(r, k)
     if a_src is None or scale or (host and (a_src in r.narrow or compute_type(r.buffers[a_src]) != ct)):
@@ -172,12 +173,22 @@ def split_k_groups(kdim: int) -> tuple[int, int]:
     return -(-kdim // kc), kc
 
 
-def _host_gemm(r: Renderer, k: Matmul, ct: str, nb: int) -> bool:
-    """Whether ``k`` goes to the host's GEMM: a host_gemm dialect, a float product big enough, B plain at ``ct``."""
+def _host_gemm(r: Renderer, k: Matmul, ct: str, nb: int, chosen: bool | None = None) -> bool:
+    """Whether ``k`` goes to the host's GEMM: a host_gemm dialect, B plain at ``ct``, a float product big enough
+    (or, where a search chose, ``chosen``: the size threshold is the only part of the decision it may overturn)."""
     b = r.buffers[k.b]
-    return (r.d.host_gemm and ct in ("float32", "float64") and k.m >= r.d.host_gemm_min_m
-            and nb * k.m * k.n * k.k >= HOST_GEMM_MIN_MNK
-            and k.b not in r.narrow and compute_type(b) == ct)
+    eligible = (r.d.host_gemm and ct in ("float32", "float64") and k.m >= r.d.host_gemm_min_m
+                and k.b not in r.narrow and compute_type(b) == ct)
+    return eligible and (nb * k.m * k.n * k.k >= HOST_GEMM_MIN_MNK if chosen is None else chosen)
+
+
+def host_gemm_choices(r: Renderer, k: Matmul) -> tuple[bool, ...]:
+    """The ``host_gemm`` knob's values for ``k``, the threshold's pick first; () where the GEMM cannot take it."""
+    ct, nb = compute_type(r.buffers[k.out]), max(1, math.prod(k.batch))
+    if not _host_gemm(r, k, ct, nb, True):
+        return ()
+    pick = _host_gemm(r, k, ct, nb)
+    return (pick, not pick)
 
 
 def _gemm_steps(r: Renderer, k: Matmul, ct: str, nb: int, a_src: str) -> str:

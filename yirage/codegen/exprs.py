@@ -9,6 +9,7 @@ clear ``UnsupportedExprError`` naming the renderer and the function, never a
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from yirage.compiler.decompose import COMPOSITES
 from yirage.compiler.kernel_ir import Buffer, Call, Const, Expr, Load, Var
@@ -73,3 +74,32 @@ def has_rotate(expr: Expr) -> bool:
     if isinstance(expr, Call):
         return any(has_rotate(a) for a in expr.args)
     return False
+
+
+STASH = "stash"  # the Var a row kernel's output expression reads a stashed value through
+
+
+def replace_subtree(expr: Expr, target: Expr, by: Expr) -> Expr:
+    """``expr`` with every occurrence of ``target`` replaced by ``by``."""
+    if expr == target:
+        return by
+    if isinstance(expr, Call):
+        return Call(expr.fn, tuple(replace_subtree(a, target, by) for a in expr.args))
+    return expr
+
+
+def row_stash(reductions: Sequence[Any], out_expr: Expr, per_row: bool, exact: bool) -> tuple[Expr | None, Expr]:
+    """(what the last reduction stores into the output row, the output expression reading it as ``Var(STASH)``).
+
+    Softmax sums ``exp(x - max)`` and then writes ``exp(x - max) / sum``: computing the exponential once, storing
+    it in the output row during the sum and reading it back, halves the transcendental work. It is exact only when
+    the output holds the compute type (``exact``: a narrow output would round the stored value); the value the
+    output pass reads is then bit-identical to the one it would compute. (None, out_expr) where nothing repeats:
+    the last reduction is not a sum of a computed value that the output expression contains."""
+    if per_row or not exact or not reductions:
+        return None, out_expr
+    last = reductions[-1]
+    if last.combine != "sum" or not isinstance(last.expr, Call):
+        return None, out_expr
+    replaced = replace_subtree(out_expr, last.expr, Var(STASH))
+    return (last.expr, replaced) if replaced != out_expr else (None, out_expr)

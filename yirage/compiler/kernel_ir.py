@@ -9,7 +9,8 @@ renderers spell in their own dialects. ``print(plan)`` shows it all.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from yirage.graph.dtypes import DType
 
@@ -275,9 +276,16 @@ class KernelPlan:
     kernels: list[Kernel]
     inputs: list[str]
     outputs: list[str]
+    #: kernel -> knob -> value: the schedule choices a backend declared and a search picked
+    #: (``yirage.compiler.schedule``); empty: every renderer picks by itself
+    schedule: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"KernelPlan {self.digest[:12]}: {len(self.kernels)} kernel(s)"]
+        if self.schedule:
+            from yirage.compiler.schedule import describe
+
+            lines.append(f"  schedule {describe(self.schedule)}")
         lines += [f"  buffer {b}" for b in self.buffers.values()]
         for k in self.kernels:
             lines.append(f"  kernel {k.name} ({type(k).__name__.lower()}) -> {k.out}")

@@ -105,6 +105,12 @@ class CPUBackend(yirage.Backend):
         self.require_available()
         return with_threads(compile_plan(self, plan), self.applied_threads())
 
+    def schedule_knobs(self, plan: Any) -> list[Any]:
+        """The matmul strategies and parallel decisions a measured search may overturn (knobs.py)."""
+        from yirage_backend_cpu.knobs import schedule_knobs
+
+        return schedule_knobs(plan)
+
     def applied_threads(self) -> int | None:
         """The ``threads`` of the configuration ``yirage_backend_manager.py optimize --backend cpu --apply`` saved for
         this device (kernel graphs then run on that many numba threads); None: numba's default."""

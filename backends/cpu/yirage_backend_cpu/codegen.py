@@ -20,7 +20,7 @@ from yirage.codegen.exprs import Spelling, compute_type, spell_expr
 from yirage.codegen.indexing import IndexSyntax
 from yirage.compiler.kernel_ir import Buffer, Expr, Load
 
-RENDERER_VERSION = "2"  # 2: IEEE special values: no fast-math flags, reductions via racc/rfma/rmax
+RENDERER_VERSION = "3"  # 2: IEEE special values (no fast-math flags, racc/rfma/rmax); 3: row stash, grouped attention
 PARALLEL_MIN_WORK = 1 << 16  # below this many weighted scalar ops, waking the thread pool costs more than it saves
 POINTWISE_CHUNK = 4096
 

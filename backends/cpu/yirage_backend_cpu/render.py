@@ -10,10 +10,11 @@ allocates outputs and temporaries and calls the kernels in order. Each
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from yirage.codegen.emit import Emitter
-from yirage.codegen.exprs import compute_type, expr_cost, has_rotate
+from yirage.codegen.exprs import STASH, compute_type, has_rotate, row_stash
 from yirage.codegen.indexing import broadcast_strides, coalesce
 from yirage.compiler.kernel_ir import Attention, Buffer, Embedding, KernelPlan, Load, Matmul, Pointwise, Row
 from yirage.graph.kernel_graph import contiguous_strides
@@ -31,6 +32,7 @@ from yirage_backend_cpu.codegen import (
     offset,
     outer_loop,
 )
+from yirage_backend_cpu.knobs import heads_per_pass, pointwise_parallel, row_parallel
 from yirage_backend_cpu.render_matmul import render_matmul
 
 # -- kernels ----------------------------------------------------------------
@@ -40,7 +42,7 @@ def _call(k_name: str, args: list[Buffer]) -> list[str]:
     return [f"{k_name}({', '.join(b.name for b in args)})"]
 
 
-def render_pointwise(k: Pointwise, buffers: dict[str, Buffer], emit: Emitter) -> list[str]:
+def render_pointwise(k: Pointwise, buffers: dict[str, Buffer], emit: Emitter, knobs: Mapping[str, Any]) -> list[str]:
     names = k.reads()
     out = buffers[k.out]
     ct = compute_type(out)
@@ -49,7 +51,7 @@ def render_pointwise(k: Pointwise, buffers: dict[str, Buffer], emit: Emitter) ->
     space, cstrides, _ = coalesce(k.space, strides, keep)
     inner, outer_dims = space[-1], space[:-1]
     outer = math.prod(outer_dims)
-    parallel = math.prod(space) * expr_cost(k.expr) >= PARALLEL_MIN_WORK
+    parallel = knobs.get("parallel", pointwise_parallel(k))
     chunk = min(inner, max(1024, -(-inner // 8))) if parallel else inner
     chunk = min(chunk, POINTWISE_CHUNK) if outer > 1 else chunk
     nch = -(-inner // chunk)
@@ -79,7 +81,7 @@ def render_pointwise(k: Pointwise, buffers: dict[str, Buffer], emit: Emitter) ->
     return _call(k.name, args)
 
 
-def render_row(k: Row, buffers: dict[str, Buffer], emit: Emitter) -> list[str]:
+def render_row(k: Row, buffers: dict[str, Buffer], emit: Emitter, knobs: Mapping[str, Any]) -> list[str]:
     names = k.reads()
     out = buffers[k.out]
     ct = compute_type(out)
@@ -91,7 +93,8 @@ def render_row(k: Row, buffers: dict[str, Buffer], emit: Emitter) -> list[str]:
     length = space[axis]
     row_dims = [d for i, d in enumerate(space) if i != axis]
     rows = math.prod(row_dims)
-    parallel = rows > 1 and rows * length >= PARALLEL_MIN_WORK
+    parallel = knobs.get("parallel", row_parallel(k))
+    assert rows == math.prod(k.space) // k.space[k.axis]  # what row_parallel counts
     args = [out] + [buffers[n] for n in names]
     all_names = [k.out] + names
     step = {n: s[axis] for n, s in zip(all_names, cstrides, strict=True)}
@@ -101,6 +104,10 @@ def render_row(k: Row, buffers: dict[str, Buffer], emit: Emitter) -> list[str]:
 
     def row_load(ld: Load) -> str:
         return f"{ld.buffer}[b_{ld.buffer}]"
+
+    # the output row holds the compute type (narrowed after the last kernel): a stashed value reads back exactly
+    stashed, out_expr = row_stash(k.reductions, k.out_expr, k.per_row, exact=True)
+    out_at = f"{k.out}[{at(f'b_{k.out}', 'l', step[k.out])}]"
 
     with kernel_def(emit, k.name, args, parallel):
         with outer_loop(emit, "r", rows, parallel):
@@ -113,6 +120,10 @@ def render_row(k: Row, buffers: dict[str, Buffer], emit: Emitter) -> list[str]:
                 emit(f"v_{red.var} = {init}")
                 with emit.block(f"for l in range(U({length})):"):
                     value = expr_src(red.expr, load, ct)
+                    if red is k.reductions[-1] and stashed is not None:  # keep it in the output row
+                        emit(f"v_{STASH} = {value}")
+                        emit(f"{out_at} = v_{STASH}")
+                        value = f"v_{STASH}"
                     if red.combine == "sum":
                         emit(f"v_{red.var} = {acc_src(f'v_{red.var}', value, ct)}")
                     else:
@@ -122,12 +133,14 @@ def render_row(k: Row, buffers: dict[str, Buffer], emit: Emitter) -> list[str]:
                 emit(f"{k.out}[b_{k.out}] = {expr_src(k.out_expr, row_load, ct)}")
             else:
                 with emit.block(f"for l in range(U({length})):"):
-                    emit(f"{k.out}[{at(f'b_{k.out}', 'l', step[k.out])}] = {expr_src(k.out_expr, load, ct)}")
+                    if stashed is not None:
+                        emit(f"v_{STASH} = {out_at}")
+                    emit(f"{out_at} = {expr_src(out_expr, load, ct)}")
         emit("return 0")
     return _call(k.name, args)
 
 
-def render_embedding(k: Embedding, buffers: dict[str, Buffer], emit: Emitter) -> list[str]:
+def render_embedding(k: Embedding, buffers: dict[str, Buffer], emit: Emitter, knobs: Mapping[str, Any]) -> list[str]:
     out, ids, table = buffers[k.out], buffers[k.ids], buffers[k.table]
     sv, sd = table.strides
     parallel = k.tokens * k.dim >= PARALLEL_MIN_WORK and k.tokens > 1
@@ -152,53 +165,72 @@ def render_embedding(k: Embedding, buffers: dict[str, Buffer], emit: Emitter) ->
     ]
 
 
-def render_attention(k: Attention, buffers: dict[str, Buffer], emit: Emitter) -> list[str]:
+def render_attention(k: Attention, buffers: dict[str, Buffer], emit: Emitter, knobs: Mapping[str, Any]) -> list[str]:
+    """One (batch, KV head) per parallel iteration, each K and V row read once for the group's query heads, or
+    one (batch, head) (``knobs.heads_per_pass``, or the ``heads_per_pass`` knob): the same operations in the same
+    order per head either way, so the same bits."""
     out, q, kc, vc = (buffers[x] for x in (k.out, k.q, k.k, k.v))
     ct = compute_type(out)
     args = [out, q, kc, vc] + ([buffers[k.lengths]] if k.lengths else [])
     group = k.heads // k.kv_heads
-    parallel = k.batch * k.heads > 1 and k.batch * k.heads * k.seq * k.head_dim >= PARALLEL_MIN_WORK
+    per = knobs.get("heads_per_pass", heads_per_pass(k))
+    if per not in (1, group):
+        raise ValueError(f"attention {k.name}: heads_per_pass {per!r} is neither 1 nor the group size {group}")
+    items = k.batch * k.heads // per
+    parallel = items > 1 and k.batch * k.heads * k.seq * k.head_dim >= PARALLEL_MIN_WORK
     qs, ks, vs = q.strides, kc.strides, vc.strides
     ls = buffers[k.lengths].strides[0] if k.lengths else 0
+    exp = "fexp" if ct == "float32" else "math.exp"
     with kernel_def(emit, k.name, args, parallel):
         if k.lengths:
             with emit.block(f"for b in range({k.batch}):"):
                 emit(f"n = {k.lengths}[U(b) * U({ls})]")
                 with emit.block(f"if n < 1 or n > {k.seq}:"):
                     emit("return b + 1")
-        with outer_loop(emit, "t", k.batch * k.heads, parallel):
-            emit(f"b = t // U({k.heads})")
-            emit(f"h = t - b * U({k.heads})")
-            emit(f"g = h // U({group})")
+        with outer_loop(emit, "t", items, parallel):
+            if per == 1:
+                emit(f"b = t // U({k.heads})")
+                emit(f"h0 = t - b * U({k.heads})")
+                emit(f"g = h0 // U({group})")
+            else:
+                emit(f"b = t // U({k.kv_heads})")
+                emit(f"g = t - b * U({k.kv_heads})")
+                emit(f"h0 = g * U({group})")
             emit(f"n = U({k.lengths}[b * U({ls})])" if k.lengths else f"n = U({k.seq})")
-            emit(f"qb = {offset(['b', 'h'], qs[:2])}")
             emit(f"kb = {offset(['b', 'g'], ks[:2])}")
             emit(f"vb = {offset(['b', 'g'], vs[:2])}")
-            emit(f"sc = np.empty(n, np.{ct})")
-            emit(f"mx = {const(-math.inf, ct)}")
+            emit(f"sc = np.empty(n * U({per}), np.{ct})")
+            emit(f"mxs = np.full({per}, {const(-math.inf, ct)})")
             with emit.block("for s in range(n):"):
-                emit(f"acc = {const(0, ct)}")
                 emit(f"kr = {at('kb', 's', ks[2])}")
+                with emit.block(f"for j in range(U({per})):"):
+                    emit(f"qb = {offset(['b', '(h0 + j)'], qs[:2])}")
+                    emit(f"acc = {const(0, ct)}")
+                    with emit.block(f"for d in range(U({k.head_dim})):"):
+                        q_d, k_d = f"{k.q}[{at('qb', 'd', qs[2])}]", f"{k.k}[{at('kr', 'd', ks[3])}]"
+                        emit(f"acc = {fma_src('acc', q_d, k_d, ct)}")
+                    emit(f"acc *= {const(k.scale, ct)}")
+                    emit("sc[j * n + s] = acc")
+                    emit("mxs[j] = fmax(mxs[j], acc)")
+            emit(f"tots = np.empty({per}, np.{ct})")
+            with emit.block(f"for j in range(U({per})):"):
+                emit("mx = mxs[j]")
+                emit(f"tot = {const(0, ct)}")
+                with emit.block("for s in range(n):"):
+                    emit(f"e = {exp}(sc[j * n + s] - mx)")
+                    emit("sc[j * n + s] = e")
+                    emit(f"tot = {acc_src('tot', 'e', ct)}")
+                emit("tots[j] = tot")
+                emit(f"ob = (b * U({k.heads}) + h0 + j) * U({k.head_dim})")
                 with emit.block(f"for d in range(U({k.head_dim})):"):
-                    q_d, k_d = f"{k.q}[{at('qb', 'd', qs[2])}]", f"{k.k}[{at('kr', 'd', ks[3])}]"
-                    emit(f"acc = {fma_src('acc', q_d, k_d, ct)}")
-                emit(f"acc *= {const(k.scale, ct)}")
-                emit("sc[s] = acc")
-                emit("mx = fmax(mx, acc)")
-            emit(f"tot = {const(0, ct)}")
-            exp = "fexp" if ct == "float32" else "math.exp"
+                    emit(f"{k.out}[ob + d] = {const(0, ct)}")
             with emit.block("for s in range(n):"):
-                emit(f"e = {exp}(sc[s] - mx)")
-                emit("sc[s] = e")
-                emit(f"tot = {acc_src('tot', 'e', ct)}")
-            emit(f"ob = t * U({k.head_dim})")
-            with emit.block(f"for d in range(U({k.head_dim})):"):
-                emit(f"{k.out}[ob + d] = {const(0, ct)}")
-            with emit.block("for s in range(n):"):
-                emit("w = sc[s] / tot")
                 emit(f"vr = {at('vb', 's', vs[2])}")
-                with emit.block(f"for d in range(U({k.head_dim})):"):
-                    emit(f"{k.out}[ob + d] += w * {k.v}[{at('vr', 'd', vs[3])}]")
+                with emit.block(f"for j in range(U({per})):"):
+                    emit("w = sc[j * n + s] / tots[j]")
+                    emit(f"ob = (b * U({k.heads}) + h0 + j) * U({k.head_dim})")
+                    with emit.block(f"for d in range(U({k.head_dim})):"):
+                        emit(f"{k.out}[ob + d] += w * {k.v}[{at('vr', 'd', vs[3])}]")
         emit("return 0")
     if not k.lengths:
         return _call(k.name, args)
@@ -210,7 +242,8 @@ def render_attention(k: Attention, buffers: dict[str, Buffer], emit: Emitter) ->
     ]
 
 
-RENDERERS: dict[type, Callable[[object, dict[str, Buffer], Emitter], list[str]]] = {
+#: each takes the kernel, the plan's buffers, the emitter and the kernel's schedule choices (knobs.py)
+RENDERERS: dict[type, Callable[[Any, dict[str, Buffer], Emitter, Mapping[str, Any]], list[str]]] = {
     Pointwise: render_pointwise,
     Row: render_row,
     Matmul: render_matmul,
@@ -242,7 +275,7 @@ def render_module(plan: KernelPlan, version: str) -> str:
     for k in plan.kernels:
         emit("")
         emit("")
-        launch += RENDERERS[type(k)](k, plan.buffers, emit)
+        launch += RENDERERS[type(k)](k, plan.buffers, emit, plan.schedule.get(k.name, {}))
     emit("")
     emit("")
     with emit.block("def run(inputs):"):

@@ -1,13 +1,14 @@
 """Matmul templates of the numba renderer.
 
-Three strategies, picked from the shapes and B's layout:
+Three strategies, picked from the shapes and B's layout by ``knobs.matmul_strategies``
+(or by ``g.superoptimize()``, which times them: the ``strategy`` knob):
 
 * dot products (B stored (N, K), "pre-transposed"): tiles of output columns,
   register-blocked 4 columns x up to 4 rows, each B column read from DRAM
   once: the bandwidth-bound GEMV/skinny-GEMM of decoding;
 * split-K (B stored (K, N), one batch): each thread streams whole rows of B
   into a private partial sum, then the partials are added in the epilogue;
-* GEMM (more than GEMV_MAX_M rows per batch): prologue kernel, torch's BLAS
+* GEMM (BLAS): prologue kernel, torch's BLAS
   (``torch.matmul``) in the launcher, epilogue kernel.
 
 The prologue materializes A when it is an expression (e.g. ``rms_norm(x) *
@@ -19,6 +20,8 @@ accumulator is hot.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from yirage.codegen.emit import Emitter
 from yirage.codegen.exprs import compute_type
@@ -38,9 +41,7 @@ from yirage_backend_cpu.codegen import (
     outer_loop,
     threads,
 )
-
-GEMV_MAX_M = 16  # up to this many rows per batch, streaming a (N, K) B once beats BLAS
-SPLIT_K_MAX_M = 2  # split-K over a (K, N) B beats BLAS only for a row or two
+from yirage_backend_cpu.knobs import matmul_strategies
 
 
 def matmul_args(k: Matmul) -> tuple[list[str], list[str], list[str]]:
@@ -51,8 +52,8 @@ def matmul_args(k: Matmul) -> tuple[list[str], list[str], list[str]]:
 
 
 class MatmulRenderer:
-    def __init__(self, k: Matmul, buffers: dict[str, Buffer], emit: Emitter) -> None:
-        self.k, self.buffers, self.emit = k, buffers, emit
+    def __init__(self, k: Matmul, buffers: dict[str, Buffer], emit: Emitter, strategy: str) -> None:
+        self.k, self.buffers, self.emit, self.strategy = k, buffers, emit, strategy
         self.ct = compute_type(buffers[k.out])
         self.nb = math.prod(k.batch)
         self.b_strides = broadcast_strides(buffers[k.b], k.batch + (k.k, k.n))
@@ -73,12 +74,6 @@ class MatmulRenderer:
             if b.dims == k.a_space and b.strides == contiguous_strides(b.dims):
                 return b.name
         return None
-
-    @property
-    def gemm(self) -> bool:
-        """BLAS wins once B is reused enough: many rows, or a few rows over a row-major B."""
-        row_major_b = self.sbn == 1 and self.sbk != 1
-        return self.k.m > GEMV_MAX_M or (row_major_b and self.k.m > SPLIT_K_MAX_M)
 
     # -- pieces ------------------------------------------------------------------
     def batch_bases(self, flat: str, with_b: bool = True) -> None:
@@ -135,13 +130,13 @@ class MatmulRenderer:
 
     # -- strategies -------------------------------------------------------------------
     def render(self) -> list[str]:
-        if self.gemm:
+        if self.strategy == "blas":
             return self.render_gemm()
         k, emit = self.k, self.emit
         args = [self.buffers[k.out]] + [self.buffers[x] for x in self.names]
         with kernel_def(emit, k.name, args, self.parallel):
             self.prologue(allocate=True)
-            if self.sbn == 1 and self.sbk != 1 and self.nb == 1:
+            if self.strategy == "split_k":
                 self.split_k()
             else:
                 self.dot_tiles()
@@ -295,5 +290,10 @@ class MatmulRenderer:
         return launch
 
 
-def render_matmul(k: Matmul, buffers: dict[str, Buffer], emit: Emitter) -> list[str]:
-    return MatmulRenderer(k, buffers, emit).render()
+def render_matmul(k: Matmul, buffers: dict[str, Buffer], emit: Emitter, knobs: Mapping[str, Any]) -> list[str]:
+    """``knobs["strategy"]``, else the cost model's pick (knobs.matmul_strategies)."""
+    strategies = matmul_strategies(k, buffers)
+    strategy = knobs.get("strategy", strategies[0])
+    if strategy not in strategies:
+        raise ValueError(f"matmul {k.name}: strategy {strategy!r} is not one of {strategies}")
+    return MatmulRenderer(k, buffers, emit, strategy).render()

@@ -197,8 +197,25 @@ class CUDABackend(yirage.Backend):
                                   else parse_kernel_languages(value, "CUDABackend.kernel_languages"))
 
     def languages_for(self, plan: Any) -> dict[str, str]:
-        """The language of each of ``plan``'s kernels (by name): where a superoptimizer decides per plan."""
-        return choose(plan, self.kernel_languages)
+        """The language of each of ``plan``'s kernels (by name): the plan's ``language`` knob where a search set
+        it (``schedule_knobs``), else the class setting (``kernel_languages``)."""
+        from yirage.compiler.schedule import choice
+
+        languages = choose(plan, self.kernel_languages)
+        return {name: choice(plan, name, "language", lang) for name, lang in languages.items()}
+
+    def schedule_knobs(self, plan: Any) -> list[Any]:
+        """Each kernel's language, CUDA C or Triton, where triton is installed (the class setting's first: on an
+        H100 neither won everywhere, Triton's attention 1.6-2.2x faster, its GEMV slower), then the C-family
+        renderer's own knobs (row work-group sizes, cuBLAS or the generated product)."""
+        from yirage.backend.probes import module_installed
+        from yirage.codegen.cstyle import schedule_knobs
+        from yirage.codegen.dialects.cuda import DIALECT
+        from yirage.compiler.schedule import Knob
+
+        languages = [Knob(name, "language", (lang, "triton" if lang == "cuda" else "cuda"), "CUDA C (NVRTC) or Triton")
+                     for name, lang in choose(plan, self.kernel_languages).items()]
+        return (languages if module_installed("triton") else []) + schedule_knobs(plan, DIALECT)
 
     # -- compile stages ------------------------------------------------------
     def render(self, plan: Any) -> str:

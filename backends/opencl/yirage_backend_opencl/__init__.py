@@ -107,6 +107,14 @@ class OpenCLBackend(yirage.Backend):
     # -- compile stages (yirage_backend_opencl.compile), cached by the core's compile_cached --
     kernel_dtypes = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
 
+    def schedule_knobs(self, plan: Any) -> list[Any]:
+        """The C-family renderer's knobs (row work-group sizes up to the device's largest work-group)."""
+        from yirage.codegen.cstyle import schedule_knobs
+        from yirage_backend_opencl.compile import dialect
+        from yirage_backend_opencl.devices import device
+
+        return schedule_knobs(plan, dialect(), int(device().max_work_group_size))
+
     def render(self, plan: Any) -> str:
         fork.check()
         from yirage_backend_opencl.compile import render_source

@@ -16,7 +16,7 @@ compute. Pure text: importing this package never imports triton.
 """
 
 from yirage.codegen.launch import TritonLaunch
-from yirage.codegen.triton.render import RENDERER_VERSION, TritonRendered, _Renderer, check_supported
+from yirage.codegen.triton.render import RENDERER_VERSION, TritonRendered, _Renderer, check_supported, schedule_knobs
 from yirage.compiler.kernel_ir import KernelPlan
 
 
@@ -25,4 +25,4 @@ def render_triton(plan: KernelPlan) -> TritonRendered:
     return _Renderer(plan).render()
 
 
-__all__ = ["RENDERER_VERSION", "TritonLaunch", "TritonRendered", "check_supported", "render_triton"]
+__all__ = ["RENDERER_VERSION", "TritonLaunch", "TritonRendered", "check_supported", "render_triton", "schedule_knobs"]

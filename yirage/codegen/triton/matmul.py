@@ -32,7 +32,8 @@ from yirage.codegen.exprs import compute_type
 from yirage.codegen.indexing import IndexSyntax, broadcast_strides
 from yirage.codegen.launch import Check
 from yirage.codegen.triton.blocks import TL_TYPE, next_pow2, warps
-from yirage.compiler.kernel_ir import Buffer, Expr, Load, Matmul
+from yirage.compiler.kernel_ir import Buffer, Expr, KernelPlan, Load, Matmul
+from yirage.compiler.schedule import Knob, choice
 
 
 class Renderer(Protocol):
@@ -42,6 +43,7 @@ class Renderer(Protocol):
     """
 
     buffers: dict[str, Buffer]
+    plan: KernelPlan
     emit: Emitter
     ix: IndexSyntax
     masks: dict[str, str]  # vector index name -> its mask, for the kernel being rendered
@@ -64,13 +66,37 @@ DOT_MAX = (64, 64, 32)  # largest BLOCK_M, BLOCK_N, BLOCK_K of the dot path
 GEMV_MAX = (64, 128)  # largest BLOCK_K, BLOCK_N of the gemv path
 
 
+GEMV_BLOCKS = {"block_n": (16, 32, 64, 128, 256), "block_k": (16, 32, 64, 128)}  # what a search may pick instead
+
+
 def matmul(r: Renderer, k: Matmul) -> None:
     """Emit ``k`` in the dot shape where tl.dot fits, else the gemv shape."""
-    ct = compute_type(r.buffers[k.out])
-    if ct == "float32" and k.m >= DOT_MIN_M:
-        _dot(r, k, ct)
+    if _uses_dot(r.buffers, k):
+        _dot(r, k, compute_type(r.buffers[k.out]))
     else:
-        _gemv(r, k, ct)
+        _gemv(r, k, compute_type(r.buffers[k.out]))
+
+
+def _uses_dot(buffers: dict[str, Buffer], k: Matmul) -> bool:
+    return compute_type(buffers[k.out]) == "float32" and k.m >= DOT_MIN_M
+
+
+def gemv_blocks(k: Matmul) -> dict[str, int]:
+    """The gemv shape's own BLOCK_K and BLOCK_N picks (the ``block_k`` / ``block_n`` knobs' defaults)."""
+    return {"block_k": min(GEMV_MAX[0], next_pow2(k.k)), "block_n": min(GEMV_MAX[1], next_pow2(k.n))}
+
+
+def matmul_knobs(buffers: dict[str, Buffer], k: Matmul) -> list[Knob]:
+    """BLOCK_N and BLOCK_K of a gemv-shaped product: how many columns a program owns and how far it reads ahead."""
+    if _uses_dot(buffers, k):
+        return []
+    knobs = []
+    bound = {"block_k": next_pow2(k.k), "block_n": next_pow2(k.n)}
+    for name, pick in gemv_blocks(k).items():
+        others = [b for b in GEMV_BLOCKS[name] if b != pick and b <= bound[name]]
+        if others:
+            knobs.append(Knob(k.name, name, (pick, *others), f"{name.upper()} of the gemv program"))
+    return knobs
 
 
 def _batch(r: Renderer, k: Matmul, qb: str) -> list[str]:
@@ -135,8 +161,8 @@ def _gemv(r: Renderer, k: Matmul, ct: str) -> None:
     tt = TL_TYPE[ct]
     zero = r.const(0, ct)
     nb = max(1, math.prod(k.batch))
-    bk = min(GEMV_MAX[0], next_pow2(k.k))
-    bn = min(GEMV_MAX[1], next_pow2(k.n))
+    picks = gemv_blocks(k)
+    bk, bn = (choice(r.plan, k.name, name, picks[name]) for name in ("block_k", "block_n"))
     args = list(dict.fromkeys([k.out] + k.reads()))
     r.kernel(k.name, args, nb * k.m, {"BLOCK_N": bn, "BLOCK_K": bk}, warps(bk * bn // 8),
              doc=f"{k.out} = epilogue(prologue(A) @ {k.b}): one row by BLOCK_N columns per program",

@@ -41,11 +41,13 @@ from yirage.compiler.kernel_ir import (
     Row,
     Var,
 )
+from yirage.compiler.schedule import Knob, choice
 from yirage.graph.kernel_graph import contiguous_strides
 
 RENDERER_VERSION = "1"
 POINTWISE_BLOCK = 1024  # elements per program of a pointwise kernel (at most)
-ROW_BLOCK_MAX = 4096  # lanes per program of a row kernel; longer rows loop
+ROW_BLOCK_MAX = 4096  # lanes per program of a row kernel; longer rows loop ...
+ROW_BLOCKS = (256, 512, 1024, 2048)  # ... and the narrower blocks a search may pick (the ``block`` knob)
 EMBED_BLOCK_MAX = 1024
 ATTN_SEQ_BLOCK = 64  # cache rows per step of decode attention
 INT32_SAFE = (1 << 31) - 1
@@ -59,6 +61,27 @@ class TritonRendered:
     source: str
     launches: tuple[TritonLaunch, ...]
     scratch: tuple[Scratch, ...]
+
+
+def row_block(length: int) -> int:
+    """BLOCK of a row kernel over rows of ``length``: the row's power of two, at most ROW_BLOCK_MAX."""
+    return min(ROW_BLOCK_MAX, next_pow2(length))
+
+
+def schedule_knobs(plan: KernelPlan) -> list[Knob]:
+    """The decisions of the Triton renderer a measured search may overturn (``yirage.compiler.schedule``): a row
+    kernel's BLOCK (narrower blocks loop more but keep fewer registers live per program) and a gemv-shaped
+    product's BLOCK_N / BLOCK_K."""
+    knobs = []
+    for k in plan.kernels:
+        if isinstance(k, Row):
+            pick = row_block(k.space[k.axis])
+            narrower = [b for b in ROW_BLOCKS if b < pick]
+            if narrower:
+                knobs.append(Knob(k.name, "block", (pick, *narrower), "BLOCK lanes of the row program"))
+        elif isinstance(k, Matmul):
+            knobs += matmul.matmul_knobs(plan.buffers, k)
+    return knobs
 
 
 def _loads(e: Expr) -> list[Load]:
@@ -266,7 +289,7 @@ class _Renderer:
         length = k.space[k.axis]
         row_dims = [x for i, x in enumerate(k.space) if i != k.axis]
         rows = max(1, math.prod(row_dims))
-        block = min(ROW_BLOCK_MAX, next_pow2(length))
+        block = choice(self.plan, k.name, "block", row_block(length))
         self.kernel(k.name, [k.out] + k.reads(), rows, {"BLOCK": block}, warps(block),
                     doc=f"one row of {k.space} along axis {k.axis} per program")
         emit(f"r = {self.pid()}")
