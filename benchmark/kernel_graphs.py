@@ -1,12 +1,16 @@
 """yirage's backends (cpu, opencl, ...) vs torch eager and torch.compile on W1-W3 of docs/benchmarks.md, in one run.
 
     .venv/bin/python benchmark/kernel_graphs.py [--quick] [--json] [--workloads w1 w2 w3] [--backends cpu opencl]
+                                                [--busy N]
 
 Every figure is a median of timed calls (p10/p90 beside it) measured in this run, implementations interleaved
 turn by turn so drift hits them alike (each turn starts with an untimed call, so no impl is charged for the
 previous one's spinning threads). Ratios are peer median / yirage median: > 1 means yirage is faster;
 ratios within 1.15x either way print as ties. Each implementation's output is checked against torch eager
 before it is timed; one that is wrong (or fails to build) is reported and gets no figure.
+
+``--busy N`` runs everything beside N CPU-bound processes (issue 29's case: ``--busy 1 --workloads w1`` on 2 cores;
+yirage's cpu launchers then pick their thread count from measured call times, backends/cpu/.../threads.py).
 
 --backends defaults to every available backend that compiles a float32 kernel graph (probed by compiling one);
 the reference backend, torch eager op by op, is the eager column already.
@@ -37,6 +41,7 @@ from timing import (
     Call,
     Inputs,
     Result,
+    busy,
     compiles_kernel_graphs,
     compiling_backends,
     fmt,
@@ -269,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", choices=("w1", "w2", "w3"), default=["w1", "w2", "w3"])
     parser.add_argument("--backends", nargs="+", metavar="NAME",
                         help="yirage backends to run (default: every available one that compiles kernel graphs)")
+    parser.add_argument("--busy", type=int, default=0, metavar="N", help="run beside N CPU-bound processes")
     parser.add_argument("--baseline", default="cpu", metavar="NAME",
                         help="the backend the others are also compared with (default: cpu; '-' if it is not run)")
     args = parser.parse_args(argv)
@@ -294,8 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     benches: dict[str, Callable[[], list[Result]]] = {
         "w1": lambda: bench_w1(w1_reps, bound or 0.0, backends, base), "w2": lambda: bench_w2(w2_reps, backends, base),
         "w3": lambda: bench_w3(w3_reps, w3_inner, backends, base)}
-    results = [res for name, bench in benches.items() if name in args.workloads for res in bench()]
-    cfg = config(backends)  # after the runs: numba's threading layer is known once a parallel kernel ran
+    with busy(args.busy):
+        results = [res for name, bench in benches.items() if name in args.workloads for res in bench()]
+    cfg = {**config(backends), "busy_processes": args.busy}  # after the runs: numba's threading layer is known
     if args.json:
         json.dump({"config": cfg, "dram_bound_gbps": bound, "tie_below": TIE, "quick": args.quick,
                    "baseline_backend": base, "results": [asdict(r) for r in results]}, sys.stdout, indent=1)

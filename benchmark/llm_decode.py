@@ -23,16 +23,14 @@ quantizers, so it and llama.cpp (its GGUF written by the gguf package) decode th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +47,7 @@ from yirage.engine import GenerationConfig, InferEngine
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_peer  # noqa: E402 - benchmark/hf_peer.py, beside this script
 import llama_cpp_peer as llama_cpp  # noqa: E402 - benchmark/llama_cpp_peer.py, beside this script
+from timing import busy  # noqa: E402 - benchmark/timing.py, beside this script
 
 MODELS: dict[str, dict[str, Any]] = {
     "w4": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8, vocab_size=32000,
@@ -197,19 +196,6 @@ def hf_run(model: Any, ids: torch.Tensor, tokens: int) -> float:
     """Decode ms/token: (time of an N-token generate - time of a 1-token generate) / (N - 1)."""
     first, total = hf_peer.generate_seconds(model, ids, tokens)
     return (total - first) / (tokens - 1) * 1e3
-
-
-@contextlib.contextmanager
-def busy(n: int) -> Iterator[None]:
-    """``n`` competing CPU-bound processes while the block runs."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        time.sleep(0.5 if n else 0)
-        yield
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait(timeout=30)
 
 
 def peers_for(model: Model, dtype: str, args: argparse.Namespace, workdir: Path) -> dict[str, Callable[[], float]]:

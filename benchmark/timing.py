@@ -8,12 +8,14 @@ within TIE either way are ties. Each implementation is checked against a torch r
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import resource
 import statistics
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,19 @@ class Result:
     extra: dict[str, float] = field(default_factory=dict)  # compile_s, gbps, share_of_bound, gflops, vs_*
     # vs_baseline: the baseline backend's median for the same variant / this median (> 1: this backend faster)
     error: str | None = None
+
+
+@contextlib.contextmanager
+def busy(n: int) -> Iterator[None]:
+    """``n`` competing CPU-bound processes while the block runs (a compile, a browser, a second model)."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.5 if n else 0)
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait(timeout=30)
 
 
 def percentile(sorted_ns: list[int], q: float) -> float:

@@ -267,7 +267,8 @@ def test_an_applied_config_for_another_device_is_ignored_with_a_warning(caplog) 
 @needs_cpu
 def test_kernel_graphs_run_on_the_applied_thread_count(monkeypatch) -> None:
     """The applied ``threads`` reaches the cpu backend's kernel graphs: numba's count is set around each call
-    (and restored); without an applied configuration numba's default is left alone. Results stay torch's."""
+    (and restored); without an applied configuration a call starts on all of numba's threads. Results stay
+    torch's."""
     import numba
     import torch
 
@@ -282,8 +283,10 @@ def test_kernel_graphs_run_on_the_applied_thread_count(monkeypatch) -> None:
     real = numba.set_num_threads
     monkeypatch.setattr(numba, "set_num_threads", lambda n: (calls.append(n), real(n))[1])
     g, (a, b) = graph_and_inputs()
+    before = numba.get_num_threads()
     torch.testing.assert_close(g([a, b])[0], a * b + a)
-    assert calls == []  # nothing applied: numba's default
+    assert calls == [numba.config.NUMBA_NUM_THREADS, before]  # nothing applied: all of numba's threads
+    calls.clear()
     cfg = _apply(1, 0)
     cfg.settings["threads"] = autoconfig.Setting(1, "measured", "test")
     autoconfig.apply(cfg)

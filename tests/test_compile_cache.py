@@ -27,7 +27,7 @@ RTOL, ATOL = 1e-5, 1e-5  # float32 kernels against a float64 oracle: |out - ref|
 
 # Graph A and graph B take the same inputs and return the same shapes, so kernels of one can run for the other.
 PROGRAM = """
-import json, sys, torch, yirage as yr
+import inspect, json, sys, torch, yirage as yr
 variant, out_path, forced_key = sys.argv[1], sys.argv[2], sys.argv[3]
 if forced_key:  # ablation: a cache keyed without the graph that trusts whatever entry it finds
     from yirage.compiler import stages
@@ -42,7 +42,7 @@ gen = torch.Generator().manual_seed(@SEED@)
 inputs = [torch.randn(*s, generator=gen) for s in @SHAPES@]
 torch.save(exe(inputs), out_path)
 stats = {}
-for name, fn in exe._run.__wrapped__.__globals__.items():
+for name, fn in inspect.unwrap(exe._run).__globals__.items():
     if hasattr(fn, "stats") and name.startswith("k"):
         stats[name] = {"hits": sum(fn.stats.cache_hits.values()), "misses": sum(fn.stats.cache_misses.values())}
 print(json.dumps({"seconds": exe.compile_seconds, "stats": stats}))

@@ -100,10 +100,10 @@ class CPUBackend(yirage.Backend):
     # -- compile stages (yirage_backend_cpu.compile), cached by the core's compile_cached --
     def compile(self, plan: Any, graph: Any) -> Any:
         from yirage_backend_cpu.compile import compile_plan
-        from yirage_backend_cpu.threads import with_threads
+        from yirage_backend_cpu.threads import adaptive_threads
 
         self.require_available()
-        return with_threads(compile_plan(self, plan), self.applied_threads())
+        return adaptive_threads(compile_plan(self, plan), self.applied_threads())
 
     def schedule_knobs(self, plan: Any) -> list[Any]:
         """The matmul strategies and parallel decisions a measured search may overturn (knobs.py)."""
