@@ -385,3 +385,28 @@ def test_the_language_knob_of_a_plan_schedule_overrides_the_class_setting_per_ke
     assert tri == [last] and read_meta(b.render(plan), "plan").triton == ()
     row = [k.values for k in backend("row=triton").schedule_knobs(plan) if k.name == "language"][-1]
     assert row == ("triton", "cuda")
+
+
+def test_every_c_family_knob_value_compiles_for_sm_90() -> None:
+    """The C-family knobs the cuda backend offers (a row kernel's work-group size, cuBLAS or the generated product):
+    NVRTC compiles every value's CUDA C, and the launch records carry the chosen group size (no GPU here: the
+    values are run on PoCL by test_opencl_graphs and on a GPU by make gpu-check's superoptimize part)."""
+    from yirage.compiler.schedule import with_schedule
+
+    nvrtc()
+    plan = build_plan(split_graph())
+    knobs = [k for k in backend("cuda").schedule_knobs(plan) if k.name != "language"]
+    assert {k.name for k in knobs} == {"group", "host_gemm"}, knobs
+    for column in range(max(len(k.values) for k in knobs)):
+        schedule: dict[str, dict[str, Any]] = {}
+        for k in knobs:
+            schedule.setdefault(k.kernel, {})[k.name] = k.values[min(column, len(k.values) - 1)]
+        source = backend("cuda").render(with_schedule(plan, schedule))
+        compile_cuda(source, "sm_90", name="kernels.cu")
+        meta = read_meta(source, "plan")
+        gemm = [s for s in meta.steps if isinstance(s, Gemm)]
+        host = next(v["host_gemm"] for v in schedule.values() if "host_gemm" in v)
+        assert bool(gemm) == host, (schedule, meta.steps)
+        group = next(v["group"] for v in schedule.values() if "group" in v)
+        row = plan.kernels[-1].name
+        assert [x.local for x in meta.launches if x.kernel == row] == [group], (schedule, meta.launches)
