@@ -97,3 +97,36 @@ def test_an_applied_thread_count_caps_the_counts_tried_and_a_graph_still_compute
     exe = g.compile("cpu")
     for _ in range(40):  # every count the launcher tries computes the same product
         torch.testing.assert_close(exe([xs, ws])[0].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_applied_cap_holds_on_every_call_a_callers_lower_setting_caps_and_failed_calls_are_not_measured() -> None:
+    """Short calls stop being measured, but an applied configuration's count still applies to each of them; a
+    caller who lowered numba's thread count keeps it; a call that raised leaves no estimate behind."""
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs numba with 2 or more threads")
+    run = FakeRun({1: 20e-6, 2: 10e-6})
+    capped = adaptive_threads(run, 1)
+    capped.clock = run.clock
+    for _ in range(AdaptiveThreads.WARM + 20):
+        capped("x")
+    assert capped.small and set(run.counts) == {1}  # short calls, still on the applied count
+    before = numba.get_num_threads()
+    run = FakeRun({1: 3e-3, 2: 2e-3})
+    free = AdaptiveThreads(run, (2, 1))
+    free.clock = run.clock
+    numba.set_num_threads(1)
+    try:
+        for _ in range(10):
+            free("x")
+        assert set(run.counts) == {1} and numba.get_num_threads() == 1
+    finally:
+        numba.set_num_threads(before)
+
+    def failing(inputs):  # noqa: ANN001, ANN202
+        raise ValueError("bad input")
+
+    broken = AdaptiveThreads(failing, (2, 1))
+    for _ in range(AdaptiveThreads.WARM + 2):
+        with pytest.raises(ValueError, match="bad input"):
+            broken("x")
+    assert broken.estimate == {2: None, 1: None} and not broken.small and numba.get_num_threads() == before

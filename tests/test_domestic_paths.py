@@ -134,6 +134,7 @@ def test_without_the_vendors_triton_the_torch_lowering_is_chosen_and_explained(m
     assert MISSING[name] in path.reason and "unfused torch ops on the device" in path.reason
     assert path.summary().startswith("uses: torch lowering (")
     assert backend.kernel_dtypes == ALL_DTYPES
+    assert backend.schedule_knobs(build_plan(_graph_and_oracle()[0])) == []  # the lowering has no schedule
     if name in ("metax", "iluvatar"):
         assert "CUDA dialect" in path.reason and "later step" in path.reason
 
@@ -149,6 +150,10 @@ def test_with_the_vendors_triton_the_triton_path_is_chosen(monkeypatch, no_trito
     path = backend.kernel_path()
     assert path.path == "triton" and path.settled and f"backend '{triton_backend}'" in path.reason
     assert backend.kernel_dtypes == TRITON_DTYPES_OF[name]
+    wide = yr.new_kernel_graph()
+    wide.mark_output(wide.softmax(wide.new_input((2, 3000)), -1))
+    knobs = backend.schedule_knobs(build_plan(wide))  # the Triton renderer's: narrower row blocks
+    assert [(k.name, k.values[0]) for k in knobs] == [("block", 4096)], knobs
 
 
 def test_the_triton_backends_entry_points_count_as_installed(monkeypatch, no_triton) -> None:

@@ -162,3 +162,38 @@ def test_every_row_group_size_the_renderer_offers_computes_the_softmax_and_rms_n
             run = backend.compile(with_schedule(plan, schedule), g)
             for got, ref in zip(run([xs, rs]), want, strict=True):
                 torch.testing.assert_close(got.double(), ref, rtol=2e-5, atol=1e-6, msg=str(schedule))
+
+
+def test_a_work_group_the_device_refuses_is_a_launch_error_the_search_rejects(monkeypatch) -> None:
+    """A group size a kernel cannot take (a real GPU's per-kernel limit can be under the device's) raises
+    OpenCLLaunchError, a YirageError: superoptimize rejects that candidate and keeps searching."""
+    import pyopencl as cl
+    from yirage_backend_opencl.compile import OpenCLLaunchError
+
+    from yirage import superopt
+
+    real = cl.enqueue_nd_range_kernel
+
+    def refuse_wide(queue, kernel, global_size, local_size, *args, **kwargs):  # noqa: ANN001, ANN202
+        if local_size[0] > 256:
+            raise cl.LogicError("clEnqueueNDRangeKernel failed: INVALID_WORK_GROUP_SIZE")
+        return real(queue, kernel, global_size, local_size, *args, **kwargs)
+
+    monkeypatch.setattr(cl, "enqueue_nd_range_kernel", refuse_wide)
+    monkeypatch.setenv("YIRAGE_CACHE_DIR", str(__import__("tempfile").mkdtemp()))
+    monkeypatch.delenv(superopt.ENV, raising=False)
+    g = yr.new_kernel_graph()
+    x = g.new_input((4, 3000))
+    g.mark_output(g.softmax(x, -1))
+    best = g.superoptimize(backend="opencl", profile_iters=1, rounds=1, warmup_iters=0)
+    wide = [t for t in best.report.trials if "group=512" in t.policy or "group=1024" in t.policy]
+    assert wide and all(not t.verified and "OpenCLLaunchError" in t.error for t in wide), str(best.report)
+    assert "group=512" not in best.report.winner and "group=1024" not in best.report.winner
+    xs = torch.randn(4, 3000)
+    torch.testing.assert_close(best([xs])[0].double(), xs.double().softmax(-1), rtol=1e-5, atol=1e-7)
+    with pytest.raises(OpenCLLaunchError, match="groups of 1024"):
+        from yirage.compiler.lower import build_plan
+        from yirage.compiler.schedule import with_schedule
+
+        plan = build_plan(g)
+        registry().get("opencl").compile(with_schedule(plan, {plan.kernels[0].name: {"group": 1024}}), g)([xs])

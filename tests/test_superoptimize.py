@@ -177,6 +177,12 @@ def test_knobs_a_backend_gets_wrong_are_named() -> None:
         check_knobs([Knob(name, "x", (1, 2)), Knob(name, "x", (1, 2))], plan, "fake")
     with pytest.raises(ScheduleError, match="not a sequence"):
         check_knobs(3, plan, "fake")
+    from yirage.compiler.schedule import legal
+
+    knobs = [Knob(name, "x", (1, 3)), Knob(name, "y", (False, True))]
+    assert legal(knobs, {name: {"x": 3, "y": True}}) and not legal(knobs, {name: {"x": True}})  # JSON true is not 1
+    assert not legal(knobs, {name: {"y": 1}}) and not legal(knobs, {name: {"z": 1}})
+    assert with_schedule(plan, {name: {"x": 1}}).digest != with_schedule(plan, {name: {"x": "1"}}).digest
     scheduled = with_schedule(plan, {name: {"x": 2}})
     assert scheduled.digest != plan.digest and scheduled.schedule == {name: {"x": 2}} and not plan.schedule
     assert with_schedule(plan, {}) is plan and f"{name}.x=2" in str(scheduled)

@@ -6,8 +6,8 @@ Mirage searches kernel and thread-block graphs for the fastest equivalent progra
    prologues into row ops and matmuls, epilogues, RMSNorm as a matmul row scale) gives a plan; equal plans are
    tried once, and the fastest is kept;
 2. the schedule knobs the backend declares for that plan (``Backend.schedule_knobs``, ``yirage.compiler.schedule``:
-   a matmul's strategy, a kernel's thread count or work-group width...), by coordinate descent: each knob's
-   alternatives against the best so far, knob after knob. The core never knows what a knob means.
+   a matmul's strategy, whether a kernel runs in parallel, a work-group's width...), by coordinate descent: each
+   knob's alternatives against the best so far, knob after knob. The core never knows what a knob means.
 
 Each candidate is compiled on the target backend and **verified before it is timed**: it runs on seeded random
 inputs (valid ids and lengths for embedding and attention inputs) and every output is compared with the graph
@@ -377,8 +377,8 @@ def _cached(key: str, graph: KernelGraph, backend: Any) -> tuple[FusionPolicy, d
         if not legal(check_knobs(backend.schedule_knobs(plan), plan, backend.name), schedule):
             raise ValueError(f"schedule {describe(schedule)!r} is not one the backend offers now")
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        logger.warning("superoptimize cache entry %s is damaged (%s: %s); searching again", path,
-                       type(exc).__name__, exc)
+        logger.warning("superoptimize cache entry %s is damaged or no longer applies (%s: %s); searching again",
+                       path, type(exc).__name__, exc)
         return None
     return policy, schedule
 

@@ -70,8 +70,8 @@ def check_knobs(knobs: Any, plan: Any, owner: str) -> tuple[Knob, ...]:
 def legal(knobs: Sequence[Knob], schedule: Mapping[str, Mapping[str, Any]]) -> bool:
     """Whether every value of ``schedule`` is one its knob allows (a cached schedule from another version may not)."""
     allowed = {(k.kernel, k.name): k.values for k in knobs}
-    return all((kernel, name) in allowed and value in allowed[(kernel, name)] and type(value) in VALUE_TYPES
-               for kernel, values in schedule.items() for name, value in values.items())
+    return all((kernel, name) in allowed and any(type(v) is type(value) and v == value for v in allowed[(kernel, name)])
+               for kernel, values in schedule.items() for name, value in values.items())  # JSON's true is not 1
 
 
 def with_schedule(plan: Any, schedule: Mapping[str, Mapping[str, Any]]) -> Any:
@@ -80,7 +80,7 @@ def with_schedule(plan: Any, schedule: Mapping[str, Mapping[str, Any]]) -> Any:
     clean = {kernel: dict(sorted(values.items())) for kernel, values in sorted(schedule.items()) if values}
     if not clean:
         return plan
-    digest = hashlib.sha256(f"{plan.digest} schedule {describe(clean)}".encode()).hexdigest()
+    digest = hashlib.sha256(f"{plan.digest} schedule {json.dumps(clean, sort_keys=True)}".encode()).hexdigest()
     return replace(plan, digest=digest, schedule=clean)
 
 
@@ -90,6 +90,6 @@ def choice(plan: Any, kernel: str, knob: str, default: Any) -> Any:
 
 
 def describe(schedule: Mapping[str, Mapping[str, Any]]) -> str:
-    """``k1.strategy=split_k k2.threads=1``: stable, short, and what the superoptimizer's report shows."""
+    """``k1.strategy=split_k k2.parallel=false``: stable, short, and what the superoptimizer's report shows."""
     return " ".join(f"{kernel}.{name}={json.dumps(value) if not isinstance(value, str) else value}"
                     for kernel, values in sorted(schedule.items()) for name, value in sorted(values.items()))

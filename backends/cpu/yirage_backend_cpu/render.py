@@ -17,6 +17,7 @@ from yirage.codegen.emit import Emitter
 from yirage.codegen.exprs import STASH, compute_type, has_rotate, row_stash
 from yirage.codegen.indexing import broadcast_strides, coalesce
 from yirage.compiler.kernel_ir import Attention, Buffer, Embedding, KernelPlan, Load, Matmul, Pointwise, Row
+from yirage.compiler.schedule import ScheduleError
 from yirage.graph.kernel_graph import contiguous_strides
 from yirage_backend_cpu.codegen import (
     PARALLEL_MIN_WORK,
@@ -175,7 +176,9 @@ def render_attention(k: Attention, buffers: dict[str, Buffer], emit: Emitter, kn
     group = k.heads // k.kv_heads
     per = knobs.get("heads_per_pass", heads_per_pass(k))
     if per not in (1, group):
-        raise ValueError(f"attention {k.name}: heads_per_pass {per!r} is neither 1 nor the group size {group}")
+        raise ScheduleError(f"attention {k.name}: heads_per_pass {per!r} is neither 1 nor the group size {group}: "
+                            "the plan's schedule and the cpu renderer disagree (a yirage bug: report it with "
+                            "g.to_json(); YIRAGE_SUPEROPTIMIZE=0 meanwhile)")
     items = k.batch * k.heads // per
     parallel = items > 1 and k.batch * k.heads * k.seq * k.head_dim >= PARALLEL_MIN_WORK
     qs, ks, vs = q.strides, kc.strides, vc.strides

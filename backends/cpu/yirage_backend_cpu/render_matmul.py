@@ -27,6 +27,7 @@ from yirage.codegen.emit import Emitter
 from yirage.codegen.exprs import compute_type
 from yirage.codegen.indexing import broadcast_strides
 from yirage.compiler.kernel_ir import Buffer, Load, Matmul, loads
+from yirage.compiler.schedule import ScheduleError
 from yirage.graph.kernel_graph import contiguous_strides
 from yirage_backend_cpu.codegen import (
     PARALLEL_MIN_WORK,
@@ -295,5 +296,7 @@ def render_matmul(k: Matmul, buffers: dict[str, Buffer], emit: Emitter, knobs: M
     strategies = matmul_strategies(k, buffers)
     strategy = knobs.get("strategy", strategies[0])
     if strategy not in strategies:
-        raise ValueError(f"matmul {k.name}: strategy {strategy!r} is not one of {strategies}")
+        raise ScheduleError(f"matmul {k.name}: strategy {strategy!r} is not one of {strategies}: the plan's "
+                            "schedule and the cpu renderer disagree (a yirage bug: report it with g.to_json(); "
+                            "YIRAGE_SUPEROPTIMIZE=0 meanwhile)")
     return MatmulRenderer(k, buffers, emit, strategy).render()

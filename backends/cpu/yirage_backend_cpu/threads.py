@@ -125,15 +125,17 @@ def guard(run: Callable[[Any], list[Any]]) -> Callable[[Any], list[Any]]:
 class AdaptiveThreads:
     """A compiled launcher that runs on all its threads or on fewer, whichever measured faster lately.
 
-    numba splits a parallel loop evenly and waits for every thread at its end; when another process keeps one
-    core busy, the thread that shares that core finishes its half late (and the call waits up to a scheduler time
-    slice for it). Measured on 2 cores beside one busy process (RMSNorm -> 4096 x 4096 linear, weights rotating
-    over 6 copies): 6.4 ms a call on 2 threads, 3.6 ms on 1, torch eager 4.3 ms; quiet: 2.5 ms on 2 threads, 3.6
-    on 1. So each launcher keeps a running estimate (``ALPHA``) of its call time at each count in ``counts``
-    (all threads first), runs the fastest, and gives another count one call in ``EXPLORE`` so that a load that
-    came or went shows up. Calls faster than ``MIN_SECONDS`` are too short for a time slice to matter and for the
-    thread-count switch (~3 us) to pay: after ``WARM`` calls they run as they are, with nothing measured.
-    Thread-safe: numba's thread count belongs to the calling thread, and the estimates are updated under a lock.
+    numba splits a parallel loop evenly and waits for every thread at its end; when another process keeps one core
+    busy, the thread that shares that core finishes its half late (and the call waits up to a scheduler time slice
+    for it). Measured on 2 cores beside one busy process (RMSNorm -> 4096 x 4096 linear, weights rotating over 6
+    copies, benchmark/kernel_graphs.py's W1 B=1 by hand): 6.4 ms a call on 2 threads, 3.6 ms on 1, torch eager 4.3
+    ms in the same run; quiet: 2.5 ms on 2 threads, 3.6 on 1. So each launcher keeps a running estimate (``ALPHA``)
+    of its call time at each count in ``counts`` (all threads first), runs the fastest, and gives another count one
+    call in ``EXPLORE`` so that a load that came or went shows up. Calls faster than ``MIN_SECONDS`` are too short
+    for a time slice to matter and for the thread-count switch (~3 us) to pay: after ``WARM`` calls they run on all
+    threads with nothing measured (on the caller's own numba setting, unless an applied configuration caps the
+    count). A caller that lowered numba's thread count keeps that cap. Thread-safe: numba's thread count belongs to
+    the calling thread, and the estimates are updated under a lock.
     """
 
     ALPHA = 0.5  # weight of the newest call in a count's estimate: one exploring call moves it halfway
@@ -143,7 +145,10 @@ class AdaptiveThreads:
     clock = staticmethod(time.perf_counter)  # replaceable by a test
 
     def __init__(self, run: Callable[[Any], list[Any]], counts: tuple[int, ...]) -> None:
+        import numba
+
         self.run, self.counts = run, counts
+        self.capped = counts[0] < numba.config.NUMBA_NUM_THREADS  # an applied configuration's count
         self.estimate: dict[int, float | None] = dict.fromkeys(counts)
         self.calls = 0
         self.small = False
@@ -152,20 +157,21 @@ class AdaptiveThreads:
         self.__wrapped__ = run
 
     def __call__(self, inputs: Any) -> list[Any]:
-        if self.small:
-            return self.run(inputs)
         import numba
 
-        count = self.pick()
+        if self.small and not self.capped:
+            return self.run(inputs)  # the caller's own numba setting applies, as for any numba code
         previous = numba.get_num_threads()
-        numba.set_num_threads(count)
+        count = self.counts[0] if self.small else self.pick()
+        numba.set_num_threads(min(count, previous))  # a caller who lowered numba's count keeps that cap
         start = self.clock()
         try:
-            return self.run(inputs)
+            out = self.run(inputs)
         finally:
-            seconds = self.clock() - start
             numba.set_num_threads(previous)
-            self.record(count, seconds)
+        if not self.small:
+            self.record(count, self.clock() - start)  # a call that raised says nothing about its speed
+        return out
 
     def pick(self) -> int:
         with self._lock:
@@ -183,11 +189,14 @@ class AdaptiveThreads:
 
     def record(self, count: int, seconds: float) -> None:
         with self._lock:
+            if self.calls <= self.WARM:  # warm-up: the fastest call counts (the first one pays numba's dispatch)
+                self.fastest_warm = min(self.fastest_warm, seconds)
+                if self.calls == self.WARM:
+                    self.estimate[count] = self.fastest_warm
+                    self.small = self.fastest_warm < self.MIN_SECONDS
+                return
             old = self.estimate[count]
             self.estimate[count] = seconds if old is None else old + self.ALPHA * (seconds - old)
-            if self.calls <= self.WARM:  # the fastest warm-up call decides (the first one pays numba's dispatch)
-                self.fastest_warm = min(self.fastest_warm, seconds)
-                self.small = self.calls == self.WARM and self.fastest_warm < self.MIN_SECONDS
 
 
 def adaptive_threads(run: Callable[[Any], list[Any]], threads: int | None) -> Callable[[Any], list[Any]]:

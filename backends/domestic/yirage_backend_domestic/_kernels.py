@@ -178,6 +178,10 @@ class DomesticKernels(TorchLoweringStages, TritonStages, yirage.Backend):
         self._log_fallback()
         return self.torch_lowering(plan)
 
+    def schedule_knobs(self, plan: Any) -> list[Any]:
+        """The Triton renderer's knobs on the Triton path; none on the torch lowering, which has no schedule."""
+        return TritonStages.schedule_knobs(self, plan) if self.kernel_path().path == TRITON else []
+
     @property
     def persistent_kind(self) -> RuntimeKind:  # type: ignore[override]
         """Launched Triton kernels on the Triton path, else the reference runtime's serial torch ops."""

@@ -108,12 +108,14 @@ class OpenCLBackend(yirage.Backend):
     kernel_dtypes = frozenset({"float32", "float16", "bfloat16", "float64", "int32", "int64"})
 
     def schedule_knobs(self, plan: Any) -> list[Any]:
-        """The C-family renderer's knobs (row work-group sizes up to the device's largest work-group)."""
+        """The C-family renderer's knobs (row work-group sizes up to the largest work-group of the devices a plan
+        may run on; a kernel that takes fewer fails its launch with OpenCLLaunchError, which the search rejects)."""
         from yirage.codegen.cstyle import schedule_knobs
         from yirage_backend_opencl.compile import dialect
-        from yirage_backend_opencl.devices import device
+        from yirage_backend_opencl.devices import device, small_device
 
-        return schedule_knobs(plan, dialect(), int(device().max_work_group_size))
+        widest = min(int(dev.max_work_group_size) for dev in (device(), small_device()) if dev is not None)
+        return schedule_knobs(plan, dialect(), widest)
 
     def render(self, plan: Any) -> str:
         fork.check()

@@ -59,6 +59,10 @@ class OpenCLBuildError(BackendError, RuntimeError):
     """The OpenCL compiler rejected a rendered plan: a renderer bug, not a user error."""
 
 
+class OpenCLLaunchError(BackendError, RuntimeError):
+    """The OpenCL device refused to launch a kernel (e.g. a work-group wider than that kernel allows)."""
+
+
 def render_source(plan: KernelPlan) -> str:
     """Stage 1: the OpenCL C of ``plan`` (in ``dialect()``) behind its launch header (with the plan's work)."""
     rendered = render(plan, dialect())
@@ -180,7 +184,14 @@ class OpenCLProgram:
                 continue
             kernel = self.kernels[step.kernel]
             kernel.set_args(*[bufs[a][0] for a in step.args])
-            cl.enqueue_nd_range_kernel(queue, kernel, (step.global_size,), (step.local,))
+            try:
+                cl.enqueue_nd_range_kernel(queue, kernel, (step.global_size,), (step.local,))
+            except cl.Error as exc:
+                raise OpenCLLaunchError(
+                    f"the OpenCL device refused kernel {step.kernel} with {step.global_size} work-items in groups of "
+                    f"{step.local} ({type(exc).__name__}: {exc}); a work-group size chosen by g.superoptimize() that "
+                    "this kernel cannot take is rejected by the search; otherwise report it with the graph "
+                    "(g.to_json())") from exc
         maps = []
         for name in self.synced:
             buf, flat = bufs[name]
