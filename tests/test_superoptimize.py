@@ -228,3 +228,25 @@ def test_every_cpu_knob_value_computes_the_graph(cache) -> None:
         got = cpu.compile(with_schedule(plan, schedule), g)([xs, ws, vs, wts, bigs, qs, ks, vcs, ns])
         for out, ref in zip(got, want, strict=True):
             torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6, msg=str(schedule))
+
+
+def test_a_fast_candidate_is_timed_in_batches_long_enough_to_see_past_the_noise(monkeypatch) -> None:
+    """On a fake clock: a 10 us candidate gets BATCH_SECONDS / 10 us calls per batch, a 5 ms one profile_iters."""
+    from yirage.backend.selection import registry
+
+    now = [0.0]
+    monkeypatch.setattr(superopt.time, "perf_counter", lambda: now[0])
+    counts = {"fast": 0, "slow": 0}
+
+    def exe(name: str, seconds: float):  # noqa: ANN202
+        def call(inputs):  # noqa: ANN001, ANN202
+            counts[name] += 1
+            now[0] += seconds
+        return call
+
+    cands = [superopt._Candidate(DEFAULT_POLICY, {}, None, exe(name, sec), superopt.Trial(name, 1))
+             for name, sec in (("slow", 5e-3), ("fast", 10e-6))]
+    best = superopt._time(cands, [], registry().get("cpu"), 0, 3, 2, float("inf"))
+    per_batch = round(superopt.BATCH_SECONDS / 10e-6)  # (+1 where the fake clock's float sum rounds up)
+    assert counts["slow"] == 1 + 2 * 3 and counts["fast"] in (1 + 2 * per_batch, 1 + 2 * (per_batch + 1))
+    assert best.trial.policy == "fast" and cands[1].trial.median_us == pytest.approx(10.0)

@@ -12,11 +12,12 @@ Mirage searches kernel and thread-block graphs for the fastest equivalent progra
 Each candidate is compiled on the target backend and **verified before it is timed**: it runs on seeded random
 inputs (valid ids and lengths for embedding and attention inputs) and every output is compared with the graph
 evaluated in float64 by torch (``yirage.reference.verify``, the conformance kit's tolerances). A candidate that
-fails is never timed or chosen. The verified ones are timed on the target device in interleaved rounds, their
-order shuffled each round (warm-up first, then ``profile_iters`` calls per round, the device synchronized around
-each batch); a candidate replaces the current best only when its median beats it by more than either one's
-spread (and at least 2%), so noise does not pick a winner. The default fusion, and each knob's current value, go
-first and win ties. The search stops trying new candidates once ``time_budget_s`` is spent (the report says so).
+fails is never timed or chosen. The verified ones are timed on the target device in interleaved rounds, their order
+shuffled each round (warm-up first, then ``profile_iters`` calls per round, more for a fast candidate so that a
+batch lasts ``BATCH_SECONDS``, the device synchronized around each batch); a candidate replaces the current best
+only when its median beats it by more than either one's spread (and at least 2%), so noise does not pick a winner.
+The default fusion, and each knob's current value, go first and win ties. The search stops trying new candidates
+once ``time_budget_s`` is spent (the report says so).
 
 The winner (partition and knob values) is cached in the compile cache (``<cache>/superopt/<key>.json``, written
 privately and atomically), keyed by the graph's content hash (shapes, dtypes, strides, ops), the backend, its
@@ -30,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import statistics
@@ -53,6 +55,8 @@ from yirage.runtime.graphs import graph_dtypes
 logger = logging.getLogger("yirage.superopt")
 
 SEARCH_VERSION = "2"
+BATCH_SECONDS = 2e-3  # the shortest timed batch of one candidate's calls (see _time)
+MAX_ITERS = 2000
 ENV = "YIRAGE_SUPEROPTIMIZE"
 #: Mirage's search configurations; yirage searches the same space for each (recorded in the report)
 CONFIGS = (None, "mlp", "attention", "lora")
@@ -299,23 +303,34 @@ def _sync(backend: Any) -> Any:
 
 def _time(verified: list[_Candidate], inputs: list[Any], backend: Any, warmup: int, iters: int, rounds: int,
           deadline: float) -> _Candidate:
-    """Interleaved rounds of ``iters`` calls per candidate; the first keeps the lead unless clearly beaten."""
+    """Interleaved rounds of at least ``iters`` calls per candidate; the first keeps the lead unless clearly beaten.
+
+    A batch lasts at least ``BATCH_SECONDS`` (more calls for a fast candidate, at most ``MAX_ITERS``): ten calls
+    of a 16 us graph are a 160 us batch, within the noise of one scheduler tick, and a winner picked from such
+    batches did not hold when measured again."""
     sync = _sync(backend)
+    calls: dict[int, int] = {}
     for candidate in verified:
         for _ in range(warmup):
             candidate.exe(inputs)
-    sync()
+        sync()
+        start = time.perf_counter()  # one more call, timed: how many make a batch
+        candidate.exe(inputs)
+        sync()
+        once = max(time.perf_counter() - start, 1e-9)
+        calls[id(candidate)] = max(iters, min(MAX_ITERS, math.ceil(BATCH_SECONDS / once)))
     samples: dict[int, list[float]] = {id(c): [] for c in verified}
     order = list(verified)
     shuffle = random.Random(0).shuffle  # a batch pays for what the one before it left: vary who goes before whom
     for _ in _progress(range(rounds), "superoptimize: time"):
         shuffle(order)
         for candidate in order:
+            n = calls[id(candidate)]
             start = time.perf_counter()
-            for _ in range(iters):
+            for _ in range(n):
                 candidate.exe(inputs)
             sync()
-            samples[id(candidate)].append((time.perf_counter() - start) / iters * 1e6)
+            samples[id(candidate)].append((time.perf_counter() - start) / n * 1e6)
         if time.perf_counter() > deadline:
             break
     for candidate in verified:
