@@ -1,7 +1,7 @@
 """g.superoptimize() against the default fusion, torch eager and torch.compile, on Mirage-style graphs, in one run.
 
     python benchmark/superoptimize.py --backend cpu [--small] [--budget 60] [--json out.json]
-    python benchmark/superoptimize.py --backend cuda
+    python benchmark/superoptimize.py --backend cuda [--no-torch-compile]
 
 The graphs are benchmark/device_graphs.py's 14 (gated MLP, RMSNorm + linear, LoRA, GQA / MHA / MQA decode attention,
 a norm after a residual add, Qwen's pre-norm projection with bias, a wide softmax, QK-norm GQA, nGPT's unit-sphere
@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_graphs import Case, cases, time_interleaved  # noqa: E402 - this directory's sibling
 
 
-def run(case: Case, backend: str, device: Any, calls: int, budget: float, fresh: bool) -> dict[str, Any]:
+def run(case: Case, backend: str, device: Any, calls: int, budget: float, fresh: bool,
+        compiled: bool = True) -> dict[str, Any]:
     import torch
 
     import yirage as yr
@@ -50,12 +51,13 @@ def run(case: Case, backend: str, device: Any, calls: int, budget: float, fresh:
     row.update(search_s=time.perf_counter() - start, winner=best.report.winner, from_cache=best.report.from_cache)
     impls = {"default": lambda: default(inputs)[0], "superopt": lambda: best(inputs)[0],
              "torch": lambda: case.torch(*inputs)}
-    try:
-        compiled = torch.compile(case.torch)
-        compiled(*inputs)
-        impls["torch.compile"] = lambda: compiled(*inputs)
-    except Exception as exc:  # noqa: BLE001 - torch.compile unavailable here: reported, the rest still measured
-        row["torch.compile"] = f"did not compile: {type(exc).__name__}"
+    if compiled:
+        try:
+            fn = torch.compile(case.torch)
+            fn(*inputs)
+            impls["torch.compile"] = lambda: fn(*inputs)
+        except Exception as exc:  # noqa: BLE001 - torch.compile unavailable here: reported, the rest still measured
+            row["torch.compile"] = f"did not compile: {type(exc).__name__}"
     want = case.torch(*host)
     for name, fn in list(impls.items()):
         err = float((fn().cpu().double() - want).abs().max() / (want.abs().max() + 1e-30))
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="tiny shapes (a smoke run)")
     parser.add_argument("--fresh", action="store_true", help="search again instead of reading cached winners")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--no-torch-compile", action="store_true",
+                        help="skip the torch.compile peer (its compile takes tens of seconds per graph on a GPU)")
     args = parser.parse_args(argv)
     try:
         device = torch.device(resolve(args.backend, "--backend", need="kernel_graphs").torch_device)
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
           + "  superopt/torch  superopt/default", flush=True)
     rows = []
     for case in cases(args.small):  # each row printed as it is measured: a run cut short still shows its rows
-        r = run(case, args.backend, device, args.calls, args.budget, args.fresh)
+        r = run(case, args.backend, device, args.calls, args.budget, args.fresh, not args.no_torch_compile)
         rows.append(r)
         if "error" in r:
             print(f"{r['graph']:18} ERROR {r['error'][:160]}", flush=True)
