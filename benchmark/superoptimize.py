@@ -53,9 +53,9 @@ def run(case: Case, backend: str, device: Any, calls: int, budget: float, fresh:
              "torch": lambda: case.torch(*inputs)}
     if compiled:
         try:
-            fn = torch.compile(case.torch)
-            fn(*inputs)
-            impls["torch.compile"] = lambda: fn(*inputs)
+            compiled_torch = torch.compile(case.torch)
+            compiled_torch(*inputs)
+            impls["torch.compile"] = lambda f=compiled_torch: f(*inputs)
         except Exception as exc:  # noqa: BLE001 - torch.compile unavailable here: reported, the rest still measured
             row["torch.compile"] = f"did not compile: {type(exc).__name__}"
     want = case.torch(*host)

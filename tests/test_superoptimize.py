@@ -250,3 +250,24 @@ def test_a_fast_candidate_is_timed_in_batches_long_enough_to_see_past_the_noise(
     per_batch = round(superopt.BATCH_SECONDS / 10e-6)  # (+1 where the fake clock's float sum rounds up)
     assert counts["slow"] == 1 + 2 * 3 and counts["fast"] in (1 + 2 * per_batch, 1 + 2 * (per_batch + 1))
     assert best.trial.policy == "fast" and cands[1].trial.median_us == pytest.approx(10.0)
+
+
+def test_the_benchmark_times_every_implementation_of_a_graph(cache) -> None:
+    """benchmark/superoptimize.py's row for one small graph: default, superoptimized, torch eager and
+    torch.compile each checked against torch in float64 and timed (a smoke run of the script's own code)."""
+    import importlib.util
+
+    bench = Path(__file__).resolve().parent.parent / "benchmark"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("superoptimize_bench", bench / "superoptimize.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        case = next(c for c in module.cases(True) if c.name == "residual_norm")
+        row = module.run(case, "cpu", torch.device("cpu"), calls=3, budget=5.0, fresh=True)
+    finally:
+        sys.path.remove(str(bench))
+    assert not [k for k in row if k.endswith("error")], row
+    assert {"default_us", "superopt_us", "torch_us"} <= row.keys() and row["winner"], row
+    assert "torch.compile_us" in row or "did not compile" in row.get("torch.compile", ""), row
