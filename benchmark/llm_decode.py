@@ -61,6 +61,7 @@ BYTES_PER_WEIGHT = {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0"
 QUANT = ("q8_0", "q4_0")
 HF_DTYPES = ("f32", "bf16")  # HF eager in f16 on a CPU is an fp16-emulation benchmark, not a peer
 YIRAGE, LLAMA, HF = "yirage cpu", "llama.cpp", "HF eager"
+KV_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # --kv-dtypes, as peer names spell them
 
 
 def log(*args: Any) -> None:
@@ -192,6 +193,11 @@ def yirage_run(engine: InferEngine, ids: torch.Tensor, tokens: int) -> float:
     return result.ms_per_token
 
 
+def yirage_peer(kv_dtype: str) -> str:
+    """yirage's peer name with KV caches of ``kv_dtype`` (float32: the plain name)."""
+    return YIRAGE if kv_dtype == "float32" else f"{YIRAGE} kv {KV_SHORT[kv_dtype]}"
+
+
 def hf_run(model: Any, ids: torch.Tensor, tokens: int) -> float:
     """Decode ms/token: (time of an N-token generate - time of a 1-token generate) / (N - 1)."""
     first, total = hf_peer.generate_seconds(model, ids, tokens)
@@ -200,9 +206,11 @@ def hf_run(model: Any, ids: torch.Tensor, tokens: int) -> float:
 
 def peers_for(model: Model, dtype: str, args: argparse.Namespace, workdir: Path) -> dict[str, Callable[[], float]]:
     peers: dict[str, Callable[[], float]] = {}
-    engine = InferEngine(model.path, backend="cpu", dtype=DTYPES[dtype])  # q8_0 / q4_0: quantized on load
-    yirage_run(engine, model.ids, 4)  # JIT / cache load
-    peers[YIRAGE] = lambda: yirage_run(engine, model.ids, args.tokens)
+    for kv in args.kv_dtypes:
+        engine = InferEngine(model.path, backend="cpu", dtype=DTYPES[dtype],  # q8_0 / q4_0: quantized on load
+                             kv_cache_dtype=kv)
+        yirage_run(engine, model.ids, 4)  # JIT / cache load
+        peers[yirage_peer(kv)] = lambda engine=engine: yirage_run(engine, model.ids, args.tokens)
     if not args.no_llama_cpp:
         path = gguf_for(model, dtype, workdir)
         peers[LLAMA] = lambda: llama_cpp.bench_decode(path, tokens=args.tokens, threads=args.threads,
@@ -335,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None, help="threads per peer (default: physical cores)")
     parser.add_argument("--busy", type=int, default=0, metavar="N", help="also run every round beside N CPU hogs")
+    parser.add_argument("--kv-dtypes", nargs="+", choices=list(KV_SHORT), default=["float32"],
+                        help="yirage's KV cache dtypes, one yirage peer each (llama.cpp's cache is f16)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (no build, no GGUF files)")
     parser.add_argument("--no-hf", action="store_true", help="skip HF eager")
     parser.add_argument("--sweep", action="store_true",
@@ -397,14 +407,14 @@ def print_report(results: dict[str, Any]) -> None:
           "around each run (range in 'probe GB/s'); vs = peer median / this median (> 1: this faster)")
     for name, entry in results["models"].items():
         print(f"\n== {name}: {entry['config']} ==")
-        head = (f"{'dtype':<6}{'peer':<11}{'min':>8}{'median':>8}{'max':>8}{'share':>7}{'probe GB/s':>12}"
+        head = (f"{'dtype':<6}{'peer':<19}{'min':>8}{'median':>8}{'max':>8}{'share':>7}{'probe GB/s':>12}"
                 f"{'vs llama.cpp':>14}{'vs HF':>8}")
         busy = results["busy"]
         print(head + (f"{'busy med':>10}{'slowdown':>10}" if busy else ""))
         for dtype, row in entry["dtypes"].items():
             for peer, s in row["quiet"].items():
                 probe = f"{s['bandwidth_min']:.1f}-{s['bandwidth_max']:.1f}"
-                line = (f"{dtype:<6}{peer:<11}{s['min']:>8.2f}{s['median']:>8.2f}{s['max']:>8.2f}"
+                line = (f"{dtype:<6}{peer:<19}{s['min']:>8.2f}{s['median']:>8.2f}{s['max']:>8.2f}"
                         f"{s['share_of_bound']:>7.0%}{probe:>12}{_ratio(s.get('vs_llama_cpp')):>14}"
                         f"{_ratio(s.get('vs_hf_eager')):>8}")
                 if busy:

@@ -90,11 +90,22 @@ class Reference:
     logits: Any
 
 
-def reference_generate(oracle: Any, ids: Any, new_tokens: int = NEW_TOKENS) -> Reference:
-    """Greedy decode with transformers (float32), keeping every step's raw logits."""
+def reference_generate(oracle: Any, ids: Any, new_tokens: int = NEW_TOKENS, kv_dtype: Any = None) -> Reference:
+    """Greedy decode with transformers (float32), keeping every step's raw logits. ``kv_dtype``: a 16-bit
+    dtype every key and value is rounded to as it enters transformers' cache (what a 16-bit KV cache holds)."""
+    import transformers
+
+    class RoundingCache(transformers.DynamicCache):
+        def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kw: Any) -> Any:
+            def rounded(t: Any) -> Any:
+                return t.to(kv_dtype).to(t.dtype)
+
+            return super().update(rounded(key_states), rounded(value_states), layer_idx, *args, **kw)
+
+    cache = None if kv_dtype is None else RoundingCache(config=oracle.config)
     with torch.no_grad():
         out = oracle.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                              output_logits=True, return_dict_in_generate=True)
+                              output_logits=True, return_dict_in_generate=True, cache=cache)
     return Reference(ids, out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1).float())
 
 

@@ -24,7 +24,19 @@ if not yr.is_backend_available("cpu"):
 
 from numba import njit  # noqa: E402
 from yirage_backend_cpu import pk_tasks  # noqa: E402
-from yirage_backend_cpu.kernel_lib import FASTMATH, ferf, fexp, fgelu, fmax, fmin, fsilu, rfma, rmax  # noqa: E402
+from yirage_backend_cpu.kernel_lib import (  # noqa: E402
+    FASTMATH,
+    ferf,
+    fexp,
+    fgelu,
+    float_to_bf16,
+    float_to_half,
+    fmax,
+    fmin,
+    fsilu,
+    rfma,
+    rmax,
+)
 
 INF, NAN = math.inf, math.nan
 SPECIAL = [NAN, INF, -INF, 1e30, -1e30, -100.0, 100.0, 1e-40, 0.0, -0.0, -88.8, -90.0, 88.8, 1.5, -3.25]
@@ -302,3 +314,32 @@ def test_graph_softmax_rows_of_nan_and_infinities_match_torch() -> None:
     t[4, 1] = 1e30
     (out,) = g(inputs=[t], backend="cpu")
     _same(out, torch.softmax(t, -1), rtol=2e-6, atol=1.2e-38)
+
+
+@njit(cache=False)
+def _narrow_all(x, out_bf16, out_f16):  # type: ignore[no-untyped-def]
+    for i in range(x.size):
+        out_bf16[i] = float_to_bf16(x[i])
+        out_f16[i] = float_to_half(x[i])
+
+
+def test_16_bit_cache_stores_round_like_torch() -> None:
+    """A 16-bit KV cache's stores (kernel_lib.float_to_bf16/float_to_half) give torch's bits for every kind of
+    float32: ties both ways, the largest values that round up to inf, denormals, infinities and NaN."""
+    rng = np.random.default_rng(29)
+    bits = np.concatenate([rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32),
+                           np.array([0x3F808000, 0x3F818000, 0x7F7F8000, 0x7F7FFFFF, 0x477FF000, 0x477FEFFF,
+                                     0x00000001, 0x80000001, 0x33000000, 0x7F800000, 0xFF800000, 0x7FC00000,
+                                     0xFFC00001, 0x7F800001, 0x00000000, 0x80000000], np.uint32)])
+    x = bits.view(np.float32)
+    out_bf16, out_f16 = np.empty(x.size, np.uint16), np.empty(x.size, np.uint16)
+    _narrow_all(x, out_bf16, out_f16)
+    t = torch.from_numpy(x)
+    want_bf16 = t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    want_f16 = t.to(torch.float16).view(torch.int16).numpy().view(np.uint16)
+    nan = np.isnan(x)
+    assert np.array_equal(out_bf16[~nan], want_bf16[~nan])
+    assert np.array_equal(out_f16[~nan], want_f16[~nan])
+    # a NaN stays a NaN (its payload is the instruction set's)
+    assert (((out_bf16[nan] & 0x7F80) == 0x7F80) & ((out_bf16[nan] & 0x7F) != 0)).all()
+    assert (((out_f16[nan] & 0x7C00) == 0x7C00) & ((out_f16[nan] & 0x3FF) != 0)).all()

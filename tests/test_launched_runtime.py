@@ -25,7 +25,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the launched runtime's Triton kernels run here only under TRITON_INTERPRET=1 (make triton-interpret)",
                 allow_module_level=True)
 
-from llm_oracle import assert_decode_matches, zoo_factory  # noqa: E402 - needs transformers
+from llm_oracle import assert_decode_matches, reference_generate, zoo_factory  # noqa: E402 - needs transformers
 from test_llm_ablation import ABLATIONS, broken_engine  # noqa: E402
 
 NEW = 8
@@ -76,6 +76,18 @@ def test_launched_decode_matches_transformers(zoo, backend, kind, dtype, monkeyp
     fast = engine.generate(model.reference.ids, GenerationConfig(max_new_tokens=NEW, eos_token_id=()))
     assert fast.tokens.tolist() == model.reference.tokens[:, :NEW].tolist()  # the whole decode in one call
     assert all(bn <= 32 for bn, _ in chosen) and bool(chosen) == (kind == "qwen2-bias-tied"), chosen
+
+
+@pytest.mark.parametrize("kv_dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_launched_decode_with_16_bit_kv_caches(zoo, backend, kv_dtype) -> None:
+    """The store kernel rounds the new key and value to the cache (bfloat16 by hand: the interpreter's cast
+    truncates); the oracle is transformers rounding every key and value entering its cache."""
+    model = zoo("llama-gqa")
+    rounded = reference_generate(model.oracle, model.reference.ids, NEW, kv_dtype=kv_dtype)
+    engine = InferEngine(model.path, backend=backend, kv_cache_dtype=kv_dtype)
+    result = decode(engine, model.reference.ids)
+    assert engine.model.k_cache[0].dtype == kv_dtype
+    assert_decode_matches(rounded, result.tokens, result.logits, label=f"{model.label}, {kv_dtype} cache")
 
 
 @pytest.mark.parametrize("name", ["no-rope", "qkv-bias-dropped"])

@@ -18,6 +18,7 @@ import torch
 
 import yirage as yr
 from yirage.engine import GenerationConfig, InferEngine
+from yirage.models.config import ModelError
 from yirage.persistent.layers import LayerError
 
 transformers = pytest.importorskip("transformers")
@@ -28,6 +29,7 @@ from llm_oracle import (  # noqa: E402 - needs transformers, checked just above
     assert_decode_matches,
     distinct_per_row,
     hf_config,
+    reference_generate,
     zoo_factory,
 )
 
@@ -110,6 +112,41 @@ def test_half_precision_weights_stay_half_and_match(kind, dtype, zoo, pk_backend
     assert engine.model.blocks[0]["qkv"].dtype == dtype  # kept narrow in memory: half the bytes per token
     result = engine.generate(model.reference.ids, greedy(output_logits=True))
     assert_decode_matches(model.reference, result.tokens, result.logits, label=f"{model.label} on {pk_backend}")
+
+
+@pytest.mark.parametrize("kv_dtype", HALF, ids=str)
+def test_16_bit_kv_caches_match_transformers_rounding_its_cache(kv_dtype, zoo, pk_backend) -> None:
+    """The oracle is transformers with every key and value rounded to ``kv_dtype`` as it enters its cache. The
+    bfloat16 rounding moves the logits by ~5e-3 of their range, so a cache left float32 (or truncated instead of
+    rounded) fails this comparison at the usual 1e-3."""
+    model = zoo("llama-gqa")
+    rounded = reference_generate(model.oracle, model.reference.ids, kv_dtype=kv_dtype)
+    engine = InferEngine(model.path, backend=pk_backend, kv_cache_dtype=str(kv_dtype).removeprefix("torch."))
+    result = engine.generate(model.reference.ids, greedy(output_logits=True))
+    assert engine.model.k_cache[0].dtype == engine.model.v_cache[0].dtype == kv_dtype
+    assert_decode_matches(rounded, result.tokens, result.logits, label=f"{model.label}, {kv_dtype} KV cache on "
+                                                                       f"{pk_backend}")
+
+
+def test_kv_cache_dtypes_are_checked() -> None:
+    with pytest.raises(ModelError, match="kv_cache_dtype='int8' is not supported"):
+        InferEngine("no-such-model", backend="reference", kv_cache_dtype="int8")
+    pk = spec_kernel("reference")
+    x = pk.new_tensor((1, 32), name="x")
+    pk.embed_layer(pk.tokens_tensor, pk.attach_input(torch.randn(100, 32), "embed"), x)
+    qkv = pk.new_tensor((1, 3 * 16), name="qkv")
+    pk.linear_with_residual_layer(x, pk.attach_input(torch.randn(48, 32), "w"), pk.attach_input(torch.zeros(1, 48),
+                                                                                             "r"), qkv)
+    cache = (1, 1, 64, 16)
+    table = pk.attach_input(torch.ones(64, 16), "cos"), pk.attach_input(torch.zeros(64, 16), "sin")
+    with pytest.raises(LayerError, match="k_cache is bfloat16 but v_cache is float16"):
+        pk.attention_layer(qkv, pk.attach_input(torch.zeros(cache, dtype=torch.bfloat16), "kc"),
+                           pk.attach_input(torch.zeros(cache, dtype=torch.float16), "vc"), cos_pos_embed=table[0],
+                           sin_pos_embed=table[1], output=pk.new_tensor((1, 16), name="o"))
+    with pytest.raises(LayerError, match="KV caches must be one of"):
+        pk.attention_layer(qkv, pk.attach_input(torch.zeros(cache, dtype=torch.int64), "kc2"),
+                           pk.attach_input(torch.zeros(cache, dtype=torch.int64), "vc2"), cos_pos_embed=table[0],
+                           sin_pos_embed=table[1], output=pk.new_tensor((1, 16), name="o2"))
 
 
 def test_generation_stops_at_eos(zoo) -> None:
@@ -343,7 +380,7 @@ def test_out_of_range_meta_tensors_are_refused_before_running(zoo) -> None:
         pk(1)
 
 
-def test_narrow_activations_and_caches_are_refused() -> None:
+def test_narrow_activations_are_refused() -> None:
     pk = spec_kernel("reference")
     x = pk.new_tensor((1, 32), name="x")
     pk.embed_layer(pk.tokens_tensor, pk.attach_input(torch.randn(100, 32), "embed"), x)

@@ -16,7 +16,7 @@ from typing import Any
 from yirage.distributed.collectives import all_gather_rows, all_reduce_, argmax_shards
 from yirage.distributed.sharding import RankShard
 from yirage.distributed.world import DistributedError, current_group
-from yirage.models.config import ModelError
+from yirage.models.config import ModelError, resolve_kv_dtype
 from yirage.models.prefill import kv_caches, prefill_logits, rope_tables
 
 
@@ -36,14 +36,15 @@ class ReferenceTP:
                                        f"{self.plan.world_size}: load the shard for this process's rank")
         self.k_cache: list[Any] = []
         self.v_cache: list[Any] = []
+        self.kv_dtype = resolve_kv_dtype(None)  # of the caches reset_cache makes
         self.cos = self.sin = None
 
     def reset_cache(self, batch_size: int, max_len: int) -> None:
-        """Zeroed float32 KV caches for this rank's KV heads, and RoPE tables for ``max_len`` positions, on the
-        shard's device."""
+        """Zeroed KV caches (``kv_dtype``) for this rank's KV heads, and RoPE tables for ``max_len`` positions,
+        on the shard's device."""
         device = self.shard.norm.device
         self.k_cache = self.v_cache = []  # the old caches go before the new ones are made
-        self.k_cache, self.v_cache = kv_caches(self.config, batch_size, max_len, device)
+        self.k_cache, self.v_cache = kv_caches(self.config, batch_size, max_len, device, self.kv_dtype)
         self.cos, self.sin = rope_tables(self.config, max_len, device)
 
     def _reduce(self, partial: Any, label: str) -> Any:

@@ -66,9 +66,19 @@ class TPModel:
     def v_cache(self) -> list[Any]:
         return self.reference.v_cache
 
+    @property
+    def kv_dtype(self) -> Any:
+        """The dtype of the KV caches reset_cache makes (InferEngine's kv_cache_dtype)."""
+        return self.reference.kv_dtype
+
+    @kv_dtype.setter
+    def kv_dtype(self, dtype: Any) -> None:
+        self.reference.kv_dtype = dtype
+
     def check_cache_fits(self, batch_size: int, max_len: int) -> None:
         """Refuse a KV cache (this rank's KV heads) larger than the memory available now on this rank's device."""
-        self.placement.check_fits(kv_cache_bytes(self.plan.local_config(), batch_size, max_len),
+        self.placement.check_fits(kv_cache_bytes(self.plan.local_config(), batch_size, max_len,
+                                                 self.kv_dtype.itemsize),
                                   f"rank {self.rank}'s KV cache for batch {batch_size} x {max_len} positions",
                                   "lower max_new_tokens (or the prompt length or batch size), or use more ranks")
 

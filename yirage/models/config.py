@@ -215,3 +215,21 @@ def resolve_dtype(dtype: Any) -> Any:
                          f"{', '.join(WEIGHT_DTYPES)} (a torch.dtype or its name), or a weight-only quantized "
                          f"format: {', '.join(QUANT_FORMATS)}")
     return getattr(torch, name)
+
+
+KV_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_kv_dtype(dtype: Any) -> Any:
+    """The torch dtype of a model's KV caches: None means float32; else one of KV_DTYPES (a torch.dtype or its
+    name). 16-bit caches halve the bytes each decode step reads at long contexts; the keys and values are
+    rounded to them as a 16-bit model's transformers cache rounds them."""
+    import torch
+
+    if dtype is None:
+        return torch.float32
+    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if not isinstance(dtype, (str, torch.dtype)) or name not in KV_DTYPES:
+        raise ModelError(f"kv_cache_dtype={dtype!r} is not supported; pass None (float32) or one of "
+                         f"{', '.join(KV_DTYPES)} (a torch.dtype or its name)")
+    return getattr(torch, name)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from yirage.models import prefill
-from yirage.models.config import LlamaConfig, ModelError, load_config, resolve_dtype
+from yirage.models.config import LlamaConfig, ModelError, load_config, resolve_dtype, resolve_kv_dtype
 from yirage.models.decoder import DecoderParts, build_decoder
 from yirage.models.placement import Placement
 from yirage.models.weights import checkpoint_reader, decode_weights, load_weights
@@ -37,6 +37,7 @@ class LlamaModel:
         self.embed, self.norm, self.lm_head, self.blocks = w.embed, w.norm, w.lm_head, w.blocks
         self.k_cache: list[Any] = []
         self.v_cache: list[Any] = []
+        self.kv_dtype = resolve_kv_dtype(None)  # of the caches reset_cache makes (InferEngine's kv_cache_dtype)
         self.cos = self.sin = None
         self.gguf: Any = None  # a GGUFInfo when loaded with from_gguf
 
@@ -69,17 +70,19 @@ class LlamaModel:
     def check_cache_fits(self, batch_size: int, max_len: int) -> None:
         """Refuse, before allocating anything, a KV cache larger than the memory available now on the device."""
         c = self.config
-        kv = prefill.kv_cache_bytes(c, batch_size, max_len)  # float32 keys and values
+        kv = prefill.kv_cache_bytes(c, batch_size, max_len, self.kv_dtype.itemsize)
         rest = 2 * max_len * c.head_dim * 4 + batch_size * max_len * 8  # RoPE tables, token buffer
         self.placement.check_fits(
             kv, f"the KV cache for batch {batch_size} x {max_len} positions ({c.layers} layers x "
-            f"{c.kv_heads} kv heads x head_dim {c.head_dim}, float32 keys and values)",
+            f"{c.kv_heads} kv heads x head_dim {c.head_dim}, {str(self.kv_dtype).removeprefix('torch.')} keys "
+            "and values)",
             "lower max_new_tokens (or the prompt length or batch size)", extra=rest)
 
     def reset_cache(self, batch_size: int, max_len: int) -> None:
         self.check_cache_fits(batch_size, max_len)
         self.k_cache = self.v_cache = []  # the old caches go before the new ones are made
-        self.k_cache, self.v_cache = prefill.kv_caches(self.config, batch_size, max_len, self.device)
+        self.k_cache, self.v_cache = prefill.kv_caches(self.config, batch_size, max_len, self.device,
+                                                          self.kv_dtype)
         self.cos, self.sin = prefill.rope_tables(self.config, max_len, self.device)
 
     # -- prefill (and any multi-token forward) in torch ----------------------------------

@@ -42,18 +42,21 @@ def rope_tables(config: LlamaConfig, positions: int, device: Any = "cpu") -> tup
     return emb.cos().contiguous().to(device), emb.sin().contiguous().to(device)
 
 
-def kv_caches(config: LlamaConfig, batch: int, max_len: int, device: Any) -> tuple[list[Any], list[Any]]:
-    """Zeroed float32 key and value caches, one (batch, kv_heads, max_len, head_dim) pair per layer, on ``device``."""
+def kv_caches(config: LlamaConfig, batch: int, max_len: int, device: Any,
+              dtype: Any = None) -> tuple[list[Any], list[Any]]:
+    """Zeroed key and value caches, one (batch, kv_heads, max_len, head_dim) pair per layer, on ``device``, in
+    ``dtype`` (default float32; bfloat16/float16 halve what a long context reads per step)."""
     import torch
 
+    dtype = dtype or torch.float32
     shape = (batch, config.kv_heads, max_len, config.head_dim)
-    return ([torch.zeros(shape, device=device) for _ in range(config.layers)],
-            [torch.zeros(shape, device=device) for _ in range(config.layers)])
+    return ([torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.layers)],
+            [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.layers)])
 
 
-def kv_cache_bytes(config: LlamaConfig, batch: int, max_len: int) -> int:
-    """Bytes of ``kv_caches(config, batch, max_len)``."""
-    return 2 * config.layers * batch * config.kv_heads * max_len * config.head_dim * 4
+def kv_cache_bytes(config: LlamaConfig, batch: int, max_len: int, itemsize: int = 4) -> int:
+    """Bytes of ``kv_caches(config, batch, max_len)`` with ``itemsize`` bytes per element."""
+    return 2 * config.layers * batch * config.kv_heads * max_len * config.head_dim * itemsize
 
 
 def attend(x: Any, blk: dict[str, Any], cos: Any, sin: Any, positions: Any, k_cache: Any, v_cache: Any,
@@ -87,6 +90,8 @@ def attend(x: Any, blk: dict[str, Any], cos: Any, sin: Any, positions: Any, k_ca
         v_cache[row, :, at] = v[row].transpose(0, 1)
         end = ends[row] if ends is not None else int(positions[row].max()) + 1
         keys, vals = k_cache[row, None, :, :end], v_cache[row, None, :, :end]  # (1, Hkv, S, D)
+        if keys.dtype != f32:  # a 16-bit cache: the rounded keys and values, as the decode reads them
+            keys, vals = keys.to(f32), vals.to(f32)
         query = q[row].reshape(t, c.heads, d).transpose(0, 1)[None]  # (1, H, T, D); head h reads KV head h // group
         if first:  # the fused causal kernel skips the masked blocks
             att = F.scaled_dot_product_attention(query, keys, vals, is_causal=True, enable_gqa=True)

@@ -198,9 +198,11 @@ class PersistentKernel:
         if kind == "matrix" and t.dtype not in _FLOATS + QUANT_FORMATS:
             raise LayerError(f"{layer}: {role} {t.name!r} is {t.dtype}; matrix weights must be one of "
                              f"{_FLOATS + QUANT_FORMATS}")
+        if kind == "kv_cache" and t.dtype not in _FLOATS:
+            raise LayerError(f"{layer}: {role} {t.name!r} is {t.dtype}; KV caches must be one of {_FLOATS}")
         if kind == "activation" and t.attached and t is not self.tokens_tensor and t.dtype != "float32":
-            raise LayerError(f"{layer}: {role} {t.name!r} is {t.dtype}; attach activations, KV caches and "
-                             "RoPE tables as float32 (only weights may be bfloat16/float16)")
+            raise LayerError(f"{layer}: {role} {t.name!r} is {t.dtype}; attach activations and RoPE tables as "
+                             "float32 (weights and KV caches may be bfloat16/float16)")
         return t
 
     def _add(self, kind: str, inputs: dict[str, PKTensor], output: PKTensor, tasks: int, **params: Any) -> None:
@@ -267,6 +269,10 @@ class PersistentKernel:
                         grid_dim: Any = None, block_dim: Any = None) -> None:
         """Decode attention with RoPE over a KV cache (GQA).
 
+        The caches are float32, bfloat16 or float16 (both the same): a 16-bit cache halves the bytes a long
+        context reads per step; the new key and value are rounded to it (to nearest even, like torch) before
+        the step's attention reads them, as transformers' caches of a 16-bit model do.
+
         ``input`` holds q, k, v per kv group: for group g the columns
         ``[q heads of g | k_g | v_g]``, each head ``head_dim`` wide (the model
         builder permutes the QKV weight rows into this layout).
@@ -275,7 +281,9 @@ class PersistentKernel:
         if q_norm is not None or k_norm is not None:
             raise NotSupportedError(f"{name}: q_norm/k_norm (Qwen3-style) are not supported yet; pass None")
         x = self._own(name, "input", input)
-        kc, vc = self._own(name, "k_cache", k_cache), self._own(name, "v_cache", v_cache)
+        kc, vc = self._own(name, "k_cache", k_cache, "kv_cache"), self._own(name, "v_cache", v_cache, "kv_cache")
+        require(kc.dtype == vc.dtype, name, f"k_cache is {kc.dtype} but v_cache is {vc.dtype}; give both caches "
+                                            "one dtype")
         require(kc is not vc, name, f"k_cache and v_cache are the same tensor {kc.name!r}; decoding writes both, "
                                     "so keys would overwrite values: attach a separate buffer for each")
         for other in self.layers:

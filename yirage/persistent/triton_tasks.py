@@ -142,6 +142,19 @@ def _rotated(qkv, base, cos, sin, pos, d, D: tl.constexpr):
 
 
 @triton.jit
+def _cache_value(x, ptr):
+    """float32 ``x`` as the cache ``ptr`` holds it: a bfloat16 cache's rounded to nearest even by hand (Triton's
+    interpreter truncates the implicit cast; torch rounds), NaN kept a quiet NaN; float16 and float32 by cast."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(ptr.dtype.element_ty)
+
+
+@triton.jit
 def y_kv_store(kc, vc, qkv, step, cos, sin, KV: tl.constexpr, GR: tl.constexpr, D: tl.constexpr,
                SEQ: tl.constexpr, BD: tl.constexpr):
     """Rotate the new key and store it and the value at the row's position in the caches."""
@@ -152,8 +165,8 @@ def y_kv_store(kc, vc, qkv, step, cos, sin, KV: tl.constexpr, GR: tl.constexpr, 
     m = d < D
     base = b * KV * (GR + 2) * D + g * (GR + 2) * D
     at = ((b * KV + g) * SEQ + pos) * D + d
-    tl.store(kc + at, _rotated(qkv, base + GR * D, cos, sin, pos, d, D), mask=m)
-    tl.store(vc + at, tl.load(qkv + base + (GR + 1) * D + d, mask=m, other=0.0), mask=m)
+    tl.store(kc + at, _cache_value(_rotated(qkv, base + GR * D, cos, sin, pos, d, D), kc), mask=m)
+    tl.store(vc + at, _cache_value(tl.load(qkv + base + (GR + 1) * D + d, mask=m, other=0.0), vc), mask=m)
 
 
 @triton.jit

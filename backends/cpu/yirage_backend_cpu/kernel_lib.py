@@ -210,4 +210,25 @@ def half_to_float(typingctx, bits):  # type: ignore[no-untyped-def]
     return types.float32(bits), codegen
 
 
+@intrinsic
+def float_to_half(typingctx, x):  # type: ignore[no-untyped-def]
+    """float32 to IEEE half bits (uint16) by LLVM's fptrunc: rounded to nearest even like torch's .half(),
+    overflow to inf, NaN kept NaN (F16C's vcvtps2ph where the CPU has it)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(x), codegen
+
+
+@njit(fastmath=FASTMATH, inline="always", cache=True)
+def float_to_bf16(x):  # type: ignore[no-untyped-def]
+    """float32 to bfloat16 bits (uint16), rounded to nearest even like torch's .bfloat16(); NaN gives 0x7fc0."""
+    u = np.float32(x).view(np.uint32)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return np.uint16(0x7FC0) if x != x else np.uint16(rounded)
+
+
 tie_caches_to_sources(globals())  # after every cached function above is defined

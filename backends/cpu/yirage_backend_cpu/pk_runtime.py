@@ -45,15 +45,20 @@ from yirage_backend_cpu.atomics import atomic_add, atomic_load, atomic_store, cy
 from yirage_backend_cpu.pk_calls import call_decode
 from yirage_backend_cpu.pk_comm import ERR_COMM, ERR_PIPE, FLAG_SLOTS, Communicator
 from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q4_BYTES, Q8_0, Q8_0G, Q8_BYTES, dtype_code
+from yirage_backend_cpu.pk_split import attention_chunks, expand, fold_profile
 from yirage_backend_cpu.pk_tasks import (
     ATTN,
     BF16,
+    C_ARRIVED,
+    C_CHUNKS,
     C_GROUP,
     C_HEAD_DIM,
     C_K,
     C_KIND,
     C_N,
+    C_PARTS,
     C_SEQ,
+    C_TASKS,
     ERR_ROW,
     ERR_TOKEN,
     ERR_VALUE,
@@ -62,6 +67,7 @@ from yirage_backend_cpu.pk_tasks import (
     F32,
     I64,
     OPTS,
+    RUNTIME_COLUMNS,
     STOP,
     TASKS,
     check_compiled_layout,
@@ -295,24 +301,30 @@ class CPUPersistentRuntime:
         self.values = dict(zip(names, self.keep, strict=True))
         self.addr, self.tdt, self.tnum = (np.array(v, np.int64) for v in (addr, tdt, tnum))
         # the core encoder's rows, copied: decode reads them, and the program stays untouched
-        self.lp = np.array(program.descriptors.ints, np.int64).reshape(len(program.layers), len(IntCol))
+        self.lp = np.full((len(program.layers), len(IntCol) + RUNTIME_COLUMNS), -1, np.int64)
+        self.lp[:, :len(IntCol)] = np.array(program.descriptors.ints, np.int64).reshape(len(program.layers),
+                                                                                         len(IntCol))
+        self.lp[:, C_CHUNKS] = 1
         self.lf = np.array(program.descriptors.floats, np.float64).reshape(len(program.layers), len(FloatCol))
         scratch = 1
         for row in self.lp:
             if row[C_KIND] == ATTN:  # per query head of a group: its rotated query, a score per cached position
-                # and the softmax's sum (pk_tasks.attention)
-                scratch = max(scratch, int(row[C_GROUP]) * int(row[C_HEAD_DIM] + row[C_SEQ] + 1))
+                # and the softmax's sum; then the rotated new key (pk_tasks.attention)
+                scratch = max(scratch, int(row[C_GROUP]) * int(row[C_HEAD_DIM] + row[C_SEQ] + 1)
+                              + int(row[C_HEAD_DIM]))
             else:  # the normalized / gated input rows and a quantized GEMV's work space, or an embed row
                 scratch = max(scratch, 2 * program.batch * max(int(row[C_K]), 1), int(row[C_N]))
-        self.graph_arrays = (
-            np.array(graph.task_layer, np.int64), np.array(graph.task_index, np.int64), *_csr(graph.task_events),
-            np.array(graph.task_waits, np.int64), np.array(graph.event_trigger, np.int64), *_csr(graph.event_gates),
-        )
         self.workers = int(config["num_workers"])
         self.schedulers = int(config["num_local_schedulers"])
+        self.ids = (program.tokens_id, program.tokens.shape[1], self._step_id(), program.pick_id)
+        chunks = self._split_attention()
+        expanded = expand(graph.task_layer, graph.task_index, graph.task_events, graph.task_waits,
+                          graph.event_trigger, graph.event_gates, chunks)
+        self.task_origin = expanded.origin
+        self.graph_arrays = (expanded.task_layer, expanded.task_index, *_csr(expanded.task_events),
+                             expanded.task_waits, expanded.event_trigger, *_csr(expanded.event_gates))
         self.scr = scratch
         self.scratch = np.zeros(max(1, self.workers + self.schedulers) * scratch, np.float32)
-        self.ids = (program.tokens_id, program.tokens.shape[1], self._step_id(), program.pick_id)
         self.steps_run = np.zeros(1, np.int64)
         # the control buffer's header (yirage.persistent.control: STOP, ERROR, ERR_ROW, ERR_VALUE; its spares
         # YIELDS, SLEEPS), then pk_comm's line; the row flags live in decode's own ``active`` array
@@ -349,10 +361,39 @@ class CPUPersistentRuntime:
     def _step_id(self) -> int:
         """The step meta tensor is not a named PK tensor: give the kernel its address."""
         self.keep.append(self.program.step)
-        self.addr = np.append(self.addr, self.program.step.data_ptr())
-        self.tdt = np.append(self.tdt, I64)
-        self.tnum = np.append(self.tnum, self.program.step.numel())
+        return self._add_address(self.program.step, I64)
+
+    def _add_address(self, value: Any, code: int) -> int:
+        """Put a runtime-owned buffer in the address table (kept alive by the caller); returns its index."""
+        self.addr = np.append(self.addr, value.data_ptr())
+        self.tdt = np.append(self.tdt, code)
+        self.tnum = np.append(self.tnum, value.numel())
         return len(self.addr) - 1
+
+    def _split_attention(self) -> dict[int, int]:
+        """Chunks per KV head for each attention layer (pk_split), with the buffers its chunks meet in: partial
+        sums (group * (head_dim + 2) floats per chunk) and an arrival count per KV head. Returns layer -> chunks
+        for the layers split."""
+        import torch
+
+        workers = self.effective()[1]
+        split: dict[int, int] = {}
+        self.split_buffers: list[Any] = []
+        for layer, row in enumerate(self.lp):
+            if row[C_KIND] != ATTN:
+                continue
+            chunks = attention_chunks(int(row[C_TASKS]), workers, int(row[C_SEQ]))
+            if chunks == 1:
+                continue
+            heads = int(row[C_TASKS])
+            parts = torch.zeros(heads * chunks * int(row[C_GROUP]) * (int(row[C_HEAD_DIM]) + 2), dtype=torch.float32)
+            arrived = torch.zeros(heads, dtype=torch.int64)
+            self.split_buffers += [parts, arrived]
+            self.lp[layer, C_CHUNKS] = chunks
+            self.lp[layer, C_PARTS] = self._add_address(parts, F32)
+            self.lp[layer, C_ARRIVED] = self._add_address(arrived, I64)
+            split[layer] = chunks
+        return split
 
     def value(self, name: str) -> Any:
         return self.values[name]
@@ -393,11 +434,13 @@ class CPUPersistentRuntime:
         self.refresh_derived()
         profile = np.zeros(0, np.int64)
         if program.profiler_tensor is not None:
-            profile = np.zeros(3 * program.task_graph.num_tasks, np.int64)
+            profile = np.zeros(3 * len(self.task_origin), np.int64)
         threads, workers, schedulers = self.effective()
         tokens_id, tok_cols, step_id, pick_id = self.ids
         limit = program.max_seq_length if max_new_tokens is None else int(max_new_tokens)
         self.flags[:] = 0
+        for arrived in self.split_buffers[1::2]:  # a run stopped mid-step may have left chunks counted
+            arrived.zero_()
         args = (self.addr, self.tdt, self.tnum, self.lp, self.lf, *self.graph_arrays, workers, schedulers, limit,
                 np.array(program.eos_token_ids or [-1], np.int64), program.max_seq_length, program.batch, tokens_id,
                 tok_cols, step_id, pick_id, self.scratch, self.scr, profile, self.steps_run, self.flags)
@@ -430,6 +473,7 @@ class CPUPersistentRuntime:
         if self.flags[STOP]:
             shutdown.check_not_stopped()  # stopped by the exit hook: an incomplete result is an error
         if profile.shape[0]:
+            profile = fold_profile(profile, self.task_origin, program.task_graph.num_tasks)
             starts = profile[0::3]
             origin = int(starts[starts > 0].min()) if (starts > 0).any() else 0
             out = program.profiler_tensor.view(-1)

@@ -19,13 +19,14 @@ from typing import Any
 
 import numba
 import numpy as np
-from numba import njit
+from numba import njit, types
 from numba.core.registry import CPUDispatcher
+from numba.extending import overload
 
 from yirage.persistent.control import Ctl, CtlError
 from yirage.persistent.runtime import register_task_bodies
 from yirage.persistent.specs import LAYER_SPECS, FloatCol, IntCol, kind_code, layout_fingerprint
-from yirage_backend_cpu.atomics import atomic_store
+from yirage_backend_cpu.atomics import atomic_add, atomic_store
 from yirage_backend_cpu.float_dot import (
     CHUNK,
     TILE_W,
@@ -40,7 +41,18 @@ from yirage_backend_cpu.float_dot import (
     dot_f32_row,
     dot_f32_tile,
 )
-from yirage_backend_cpu.kernel_lib import FASTMATH, as_pointer, fexp, fmax, fsilu, half_to_float, racc, rfma
+from yirage_backend_cpu.kernel_lib import (
+    FASTMATH,
+    as_pointer,
+    fexp,
+    float_to_bf16,
+    float_to_half,
+    fmax,
+    fsilu,
+    half_to_float,
+    racc,
+    rfma,
+)
 from yirage_backend_cpu.pk_comm import communicate
 from yirage_backend_cpu.pk_quant import dequantize_row, finish_rows, is_quantized, linear_q, row_bytes
 from yirage_backend_cpu.sources import tie_caches_to_sources
@@ -48,6 +60,7 @@ from yirage_backend_cpu.sources import tie_caches_to_sources
 U = np.uint64
 F = np.float32
 OPTS = {"fastmath": FASTMATH, "error_model": "numpy", "nogil": True, "cache": True}
+CACHED = {"jit_options": {"fastmath": FASTMATH, "error_model": "numpy"}}  # an @overload's body: OPTS' semantics
 
 F32, BF16, F16, I64 = 0, 1, 2, 3  # tensor dtype codes of the address table (quantized: pk_quant's Q8_0, Q4_0)
 # flags: the control buffer's header (yirage.persistent.control), as plain ints numba freezes into the code
@@ -70,6 +83,10 @@ C_KIND, C_OUT, C_K, C_N, C_TASKS = (int(c) for c in (IntCol.KIND, IntCol.OUTPUT,
 C_KV_HEADS, C_GROUP, C_HEAD_DIM, C_SEQ = (int(c) for c in (IntCol.KV_HEADS, IntCol.GROUP, IntCol.HEAD_DIM,
                                                            IntCol.CACHE_SEQ))
 C_TOP_K, C_SEED = int(IntCol.TOP_K), int(IntCol.SEED)
+# the CPU runtime's own columns after the core's (pk_runtime fills them): an attention layer's chunks per KV head,
+# and the address-table indices of its partial sums and its per-KV-head arrival counts (1, -1, -1: no split)
+C_CHUNKS, C_PARTS, C_ARRIVED = len(IntCol), len(IntCol) + 1, len(IntCol) + 2
+RUNTIME_COLUMNS = 3
 F_EPS, F_TEMPERATURE, F_TOP_P = (int(c) for c in (FloatCol.EPS, FloatCol.TEMPERATURE, FloatCol.TOP_P))
 
 
@@ -223,59 +240,194 @@ def rope(src, dst, cos, sin, d):  # type: ignore[no-untyped-def]
         dst[i] = src[i] * cos[i] + src[i - h] * sin[i]
 
 
+def cache_load(cache, index, code):  # type: ignore[no-untyped-def]
+    """One cached key/value element as float32: a float32 cache's own, a 16-bit one's widened (``code``)."""
+    raise NotImplementedError("cache_load is only callable from numba-compiled code")
+
+
+@overload(cache_load, **CACHED)
+def _cache_load(cache, index, code):  # type: ignore[no-untyped-def]
+    if cache.dtype == types.float32:
+        return lambda cache, index, code: cache[index]
+
+    def narrow(cache, index, code):  # type: ignore[no-untyped-def]
+        return bf16(cache[index]) if code == BF16 else f16(cache[index])
+
+    return narrow
+
+
+def cache_store(cache, index, x, code):  # type: ignore[no-untyped-def]
+    """Store float32 ``x`` into a cache element: as is, or rounded to the 16-bit cache's type (``code``)."""
+    raise NotImplementedError("cache_store is only callable from numba-compiled code")
+
+
+@overload(cache_store, **CACHED)
+def _cache_store(cache, index, x, code):  # type: ignore[no-untyped-def]
+    if cache.dtype == types.float32:
+        def store(cache, index, x, code):  # type: ignore[no-untyped-def]
+            cache[index] = x
+
+        return store
+
+    def narrow(cache, index, x, code):  # type: ignore[no-untyped-def]
+        cache[index] = float_to_bf16(x) if code == BF16 else float_to_half(x)
+
+    return narrow
+
+
 @njit(**OPTS)
-def attention(qkv, b, g, group, d, pos, kc, vc, cache_seq, kv_heads, cos, sin, out, out_cols, scratch):
-    # type: ignore[no-untyped-def]
-    """KV head ``g`` of batch row ``b``: rotate and store the new key and value, then the ``group`` query heads
-    that share them, together: each cached key and value is read from memory once for all of them (at 2048
-    positions a head's keys and values are 1 MiB: reading them once per query head went to L2 or DRAM again).
-    Each head's scores, softmax and sums keep the one-head order. ``scratch``: group * (d + pos + 2) floats."""
+def attention(qkv, b, g, group, d, pos, kc, vc, code, cache_seq, kv_heads, cos, sin, s0, s1, outs, stride, whole,
+              scratch):  # type: ignore[no-untyped-def]
+    """KV head ``g`` of batch row ``b`` over the cached positions ``s0`` .. ``s1 - 1`` (the whole context, or one
+    chunk of it: flash-decoding's split, see ``attention_task``). The chunk that holds ``pos`` first rotates and
+    stores the new key and value. The ``group`` query heads that share the KV head run together: each cached key
+    and value is read from memory once for all of them (at 2048 positions a head's keys and values are 1 MiB:
+    reading them once per query head went to L2 or DRAM again). Each head's scores, softmax and sums keep the
+    one-head order.
+
+    Head ``j``'s output goes to ``outs[j * stride:][:d]``: the softmax-weighted values when ``whole`` (the
+    chunk is the whole context); else the exp-weighted values, unnormalized, followed by the chunk's largest
+    score and its sum of exps (``outs[j * stride + d]``, ``+ d + 1``; ``stride >= d + 2``), which
+    ``combine_chunks`` merges.
+
+    ``kc``/``vc``: float32 arrays, or uint16 arrays of bfloat16/float16 bits (``code``): one compiled body per
+    cache type, the dtype a constant in each, so the loops widen in registers and vectorize.
+    ``scratch``: group * (d + s1 - s0 + 1) + d floats."""
+    if code == BF16:
+        attend(qkv, b, g, group, d, pos, kc, vc, BF16, cache_seq, kv_heads, cos, sin, s0, s1, outs, stride, whole,
+               scratch)
+    elif code == F16:
+        attend(qkv, b, g, group, d, pos, kc, vc, F16, cache_seq, kv_heads, cos, sin, s0, s1, outs, stride, whole,
+               scratch)
+    else:
+        attend(qkv, b, g, group, d, pos, kc, vc, F32, cache_seq, kv_heads, cos, sin, s0, s1, outs, stride, whole,
+               scratch)
+
+
+@njit(inline="always", **OPTS)
+def attend(qkv, b, g, group, d, pos, kc, vc, code, cache_seq, kv_heads, cos, sin, s0, s1, outs, stride, whole,
+           scratch):  # type: ignore[no-untyped-def]
     width = (group + 2) * d
     base = b * (kv_heads * width) + g * width
     cs = cos[pos * d:][:d]
     sn = sin[pos * d:][:d]
     head = ((b * kv_heads + g) * cache_seq) * d
-    rope(qkv[base + group * d:][:d], kc[head + pos * d:][:d], cs, sn, d)
-    vsrc = qkv[base + (group + 1) * d:][:d]
-    vdst = vc[head + pos * d:][:d]
-    for i in range(d):
-        vdst[i] = vsrc[i]
-    n = pos + 1
+    n = s1 - s0
     qs = scratch[:group * d]
     scores = scratch[group * d:][:group * n]  # head j's at j * n
-    totals = scratch[group * (d + n):][:group]
+    top = scratch[group * (d + n):][:group]
+    if s0 <= pos < s1:
+        new_key = scratch[group * (d + n + 1):][:d]
+        rope(qkv[base + group * d:][:d], new_key, cs, sn, d)
+        vsrc = qkv[base + (group + 1) * d:][:d]
+        at = head + pos * d
+        for i in range(d):
+            cache_store(kc, at + i, new_key[i], code)
+            cache_store(vc, at + i, vsrc[i], code)
     scale = F(1.0 / math.sqrt(d))
     for j in range(group):
         rope(qkv[base + j * d:][:d], qs[j * d:][:d], cs, sn, d)
+        top[j] = F(-np.inf)
     for s in range(n):
-        key = kc[head + s * d:][:d]
+        key = kc[head + (s0 + s) * d:][:d]
         for j in range(group):
             q = qs[j * d:][:d]
             acc = F(0)
             for i in range(d):
-                acc = rfma(acc, q[i], key[i])
-            scores[j * n + s] = acc * scale
-    for j in range(group):
+                acc = rfma(acc, q[i], cache_load(key, i, code))
+            score = acc * scale
+            scores[j * n + s] = score
+            top[j] = fmax(top[j], score)  # a NaN score makes the head NaN, as in torch
+    for j in range(group):  # softmax in place; loops that vectorize (the max came with the scores)
         row = scores[j * n:][:n]
-        mx = F(-np.inf)
-        for s in range(n):
-            mx = fmax(mx, row[s])  # a NaN score makes the head NaN, as in torch
+        mx = top[j]
         total = F(0)
         for s in range(n):
             e = fexp(row[s] - mx)
             row[s] = e
             total = racc(total, e)
-        totals[j] = total
-        o = out[b * out_cols + (g * group + j) * d:][:d]
+        if whole:
+            for s in range(n):
+                row[s] = row[s] / total
+        else:
+            outs[j * stride + d] = mx
+            outs[j * stride + d + 1] = total
+        o = outs[j * stride:][:d]
         for i in range(d):
             o[i] = F(0)
-    for s in range(n):
-        val = vc[head + s * d:][:d]
+    # o += p[s] * v[s], four positions a pass: each output row read and written once per four value rows
+    n4 = n - n % 4
+    for s in range(0, n4, 4):
+        at = head + (s0 + s) * d
+        v0, v1, v2, v3 = vc[at:][:d], vc[at + d:][:d], vc[at + 2 * d:][:d], vc[at + 3 * d:][:d]
         for j in range(group):
-            w = scores[j * n + s] / totals[j]
-            o = out[b * out_cols + (g * group + j) * d:][:d]
+            p = scores[j * n + s:][:4]
+            w0, w1, w2, w3 = p[0], p[1], p[2], p[3]
+            o = outs[j * stride:][:d]
             for i in range(d):
-                o[i] += w * val[i]
+                o[i] += ((w0 * cache_load(v0, i, code) + w1 * cache_load(v1, i, code))
+                         + (w2 * cache_load(v2, i, code) + w3 * cache_load(v3, i, code)))
+    for s in range(n4, n):
+        val = vc[head + (s0 + s) * d:][:d]
+        for j in range(group):
+            w = scores[j * n + s]
+            o = outs[j * stride:][:d]
+            for i in range(d):
+                o[i] += w * cache_load(val, i, code)
+
+
+@njit(**OPTS)
+def combine_chunks(parts, chunks, group, d, out):  # type: ignore[no-untyped-def]
+    """Merge the ``chunks`` partial results of one KV head (``attention`` over each chunk, ``group * (d + 2)``
+    floats each, in position order) into its heads' softmax-weighted values ``out[j * d:][:d]``: each chunk's
+    sums rescaled by exp(its max - the overall max). A chunk with no positions holds max -inf and sum 0."""
+    width = group * (d + 2)
+    for j in range(group):
+        mx = F(-np.inf)
+        for c in range(chunks):
+            mx = fmax(mx, parts[c * width + j * (d + 2) + d])
+        total = F(0)
+        o = out[j * d:][:d]
+        for i in range(d):
+            o[i] = F(0)
+        for c in range(chunks):
+            block = parts[c * width + j * (d + 2):][:d + 2]
+            if block[d + 1] == F(0) and block[d] == F(-np.inf):
+                continue  # an empty chunk
+            w = fexp(block[d] - mx)
+            total += w * block[d + 1]
+            for i in range(d):
+                o[i] += w * block[i]
+        for i in range(d):
+            o[i] = o[i] / total
+
+
+@njit(**OPTS)
+def attention_task(layer, t, qkv, kc, vc, code, step, cos, sin, out, n_out, lp, addr, tnum, scratch):
+    # type: ignore[no-untyped-def]
+    """Attention task ``t`` of ``layer``: KV head (b, g) = divmod(t // chunks, kv_heads), chunk t % chunks of
+    its positions. With one chunk the task writes the heads' output itself; with more (the runtime's choice,
+    C_CHUNKS), each chunk writes its partial sums and the last chunk of the KV head to finish merges them (an
+    atomic count per KV head, reset by that merge)."""
+    kv_heads, group, d, seq = lp[layer, C_KV_HEADS], lp[layer, C_GROUP], lp[layer, C_HEAD_DIM], lp[layer, C_SEQ]
+    chunks = lp[layer, C_CHUNKS]
+    head = t // chunks
+    c = t - head * chunks
+    b = head // kv_heads
+    g = head - b * kv_heads
+    pos = step[b]
+    n = pos + 1
+    row = out[b * n_out + g * group * d:][:group * d]
+    if chunks == 1:
+        attention(qkv, b, g, group, d, pos, kc, vc, code, seq, kv_heads, cos, sin, 0, n, row, d, True, scratch)
+        return
+    parts = f32s(addr[lp[layer, C_PARTS]], tnum[lp[layer, C_PARTS]])[head * chunks * group * (d + 2):]
+    attention(qkv, b, g, group, d, pos, kc, vc, code, seq, kv_heads, cos, sin, c * n // chunks,
+              (c + 1) * n // chunks, parts[c * group * (d + 2):], d + 2, False, scratch)
+    arrived = i64s(addr[lp[layer, C_ARRIVED]], tnum[lp[layer, C_ARRIVED]])
+    if atomic_add(arrived, head, 1) == chunks - 1:  # sequentially consistent: every chunk's sums are visible
+        atomic_store(arrived, head, 0)
+        combine_chunks(parts, chunks, group, d, row)
 
 
 ARGMAX_LANES = 16
@@ -450,15 +602,16 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
         linear(xs, batch, k, addr[lp[layer, SILU_W]], tdt[lp[layer, SILU_W]], n0, n0 + cols, out, n, res, none,
                scratch[batch * k:])
     elif kind == ATTN:
-        kv_heads, group, d, seq = lp[layer, C_KV_HEADS], lp[layer, C_GROUP], lp[layer, C_HEAD_DIM], lp[layer, C_SEQ]
-        b = t // kv_heads
-        g = t - b * kv_heads
         qkv = f32s(addr[lp[layer, ATT_QKV]], tnum[lp[layer, ATT_QKV]])
-        kc = f32s(addr[lp[layer, ATT_KC]], tnum[lp[layer, ATT_KC]])
-        vc = f32s(addr[lp[layer, ATT_VC]], tnum[lp[layer, ATT_VC]])
         cos = f32s(addr[lp[layer, ATT_COS]], tnum[lp[layer, ATT_COS]])
         sin = f32s(addr[lp[layer, ATT_SIN]], tnum[lp[layer, ATT_SIN]])
-        attention(qkv, b, g, group, d, step[b], kc, vc, seq, kv_heads, cos, sin, out, n, scratch)
+        kci, vci = lp[layer, ATT_KC], lp[layer, ATT_VC]
+        if tdt[kci] == F32:
+            attention_task(layer, t, qkv, f32s(addr[kci], tnum[kci]), f32s(addr[vci], tnum[vci]), F32, step, cos,
+                           sin, out, n, lp, addr, tnum, scratch)
+        else:  # bfloat16 / float16 bits (the kernel checked both caches share one dtype)
+            attention_task(layer, t, qkv, u16s(addr[kci], tnum[kci]), u16s(addr[vci], tnum[vci]), tdt[kci], step,
+                           cos, sin, out, n, lp, addr, tnum, scratch)
     else:  # ALLRED, ALLGAT: pk_comm's thread runs the collective on the layer's buffers; this task waits for it
         communicate(layer, flags)
 
