@@ -70,7 +70,8 @@ def test_split_attention_decodes_like_transformers(kv_dtype, zoo, monkeypatch) -
                                                                          kv_dtype=kv_dtype)
     for chunks in (2, 3, 5):
         asked: list[int] = []
-        monkeypatch.setattr(pk_runtime, "attention_chunks", lambda tasks, workers, seq, c=chunks: asked.append(c) or c)
+        monkeypatch.setattr(pk_runtime, "attention_chunks",
+                            lambda tasks, workers, seq, c=chunks, asked=asked: asked.append(c) or c)
         engine = InferEngine(model.path, backend="cpu", kv_cache_dtype=kv_dtype)
         result = engine.generate(model.reference.ids, GenerationConfig(max_new_tokens=oracle.tokens.shape[1],
                                                                        eos_token_id=(), output_logits=True))
