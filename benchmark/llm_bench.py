@@ -39,6 +39,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # the benchmark scripts import each other as top-level modules
 
 from llm_bench_cases import (  # noqa: E402 - needs the path above
+    KV_BYTES,
     KV_DTYPE,
     Case,
     add_ratios,
@@ -94,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-len", type=parse_list, default=[16], help="prompt tokens per sequence (default 16)")
     parser.add_argument("--output-len", type=parse_list, default=[32], help="tokens generated (default 32, >= 2)")
     parser.add_argument("--dtype", choices=DTYPES, default="f32", help="weight dtype (q8_0/q4_0: quantized on load)")
+    parser.add_argument("--kv-dtype", choices=list(KV_BYTES), default=KV_DTYPE,
+                        help="yirage's KV cache dtype (llama.cpp's is f16)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per case and peer (default 1)")
     parser.add_argument("--rounds", type=int, default=3, help="timed runs per case and peer (default 3)")
     parser.add_argument("--peers", type=parse_peers, default=[], help="llamacpp,hf, either one, or none (default)")
@@ -203,7 +206,7 @@ def load_engine(args: argparse.Namespace, model_path: Path) -> Any:
     from yirage.engine import InferEngine
 
     dtype = getattr(torch, TORCH_DTYPES[args.dtype]) if args.dtype in TORCH_DTYPES else args.dtype
-    return InferEngine(model_path, backend=args.backend, dtype=dtype)
+    return InferEngine(model_path, backend=args.backend, dtype=dtype, kv_cache_dtype=args.kv_dtype)
 
 
 def progress(cases: list[Case]) -> Iterator[Case]:
@@ -275,7 +278,7 @@ def metadata(args: argparse.Namespace, engine: Any, model_name: str, model_forma
         "device": (info.get("device") or {}).get("name"), "model": model_name, "model_format": model_format,
         "model_config": {"layers": c.layers, "hidden": c.hidden, "intermediate": c.intermediate, "heads": c.heads,
                          "kv_heads": c.kv_heads, "head_dim": c.head_dim, "vocab": c.vocab},
-        "dtype": args.dtype, "kv_dtype": KV_DTYPE, "warmup": args.warmup, "rounds": args.rounds,
+        "dtype": args.dtype, "kv_dtype": args.kv_dtype, "warmup": args.warmup, "rounds": args.rounds,
         "peers": args.peers, "peer_threads": threads, "prompt": args.prompt or f"random ids (seed {args.seed})",
         "yirage": yr.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(),
@@ -377,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             engine = load_engine(args, model_path)
             cases = get_test_cases(args.batch_size, args.input_len, args.output_len, kv_heads=engine.config.kv_heads,
-                                   head_dim=engine.config.head_dim, layers=engine.config.layers)
+                                   head_dim=engine.config.head_dim, layers=engine.config.layers,
+                                   dtype_bytes=KV_BYTES[args.kv_dtype])
             preflight(engine, cases)
             base = prompt_ids(engine, args, cases)
         except (YirageError, ValueError) as exc:

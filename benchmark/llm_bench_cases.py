@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-KV_DTYPE, KV_DTYPE_BYTES = "float32", 4  # yirage keeps keys and values in float32 whatever the weight dtype
+KV_DTYPE, KV_DTYPE_BYTES = "float32", 4  # yirage's KV caches by default (--kv-dtype: bfloat16 / float16, 2 bytes)
+KV_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 METRICS = ("ttft_ms", "itl_ms", "prefill_tok_s", "decode_tok_s", "total_s")
 STATS = ("min", "median", "max")
 RATIOS = ("ttft_vs_llama_cpp", "itl_vs_llama_cpp", "ttft_vs_hf_eager", "itl_vs_hf_eager")
