@@ -4,6 +4,8 @@ quantized model's prefill through it against the torch prefill."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -59,10 +61,13 @@ def test_the_thread_split_does_not_change_a_bit(fmt: str) -> None:
     assert torch.equal(one, three)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("m", [1, 5, pl.MAX_NARROW_ROWS])
-def test_16_bit_weights_are_read_as_they_are(dtype: torch.dtype, m: int) -> None:
-    """bf16 / f16 matrices: the decode's float tiles on the weights widened in registers, no float32 copy."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "f16", "f32"])
+@pytest.mark.parametrize("m", [1, 5, "most"])
+def test_float_weights_are_read_as_they_are(dtype: torch.dtype, m: Any) -> None:
+    """bf16 / f16 matrices: the decode's float tiles on the weights widened in registers, no float32 copy; f32
+    matrices through the same tiles for short prompts."""
+    most = pl.FLOAT_ROWS[dtype]
+    m = most if m == "most" else m
     gen = torch.Generator().manual_seed(SEED + m)
     w = torch.randn(43, 100, generator=gen).to(dtype)  # odd rows (a pair and one left); K with a tail
     x = torch.randn(m, 100, generator=gen)
@@ -71,7 +76,7 @@ def test_16_bit_weights_are_read_as_they_are(dtype: torch.dtype, m: int) -> None
     want = x.double() @ w.double().t()
     tol = 4e-7 * 10 * (1 + want.abs().max().item())  # float32 sums of K = 100 products in another order
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=tol)
-    assert pl.PromptLinear()(torch.randn(pl.MAX_NARROW_ROWS + 1, 100), w) is None  # torch's GEMM from there
+    assert pl.PromptLinear()(torch.randn(most + 1, 100), w) is None  # torch's GEMM from there
 
 
 def test_what_it_cannot_read_is_left_to_torch() -> None:
@@ -79,7 +84,7 @@ def test_what_it_cannot_read_is_left_to_torch() -> None:
     run = pl.PromptLinear()
     x = torch.randn(4, 64, generator=gen)
     w = quantize(torch.randn(16, 64, generator=gen), "q8_0")
-    assert run(x, torch.randn(16, 64)) is None  # a float32 matrix: torch's GEMM reads it as well
+    assert run(torch.randn(pl.MAX_F32_ROWS + 1, 64), torch.randn(16, 64)) is None  # torch's GEMM from there
     assert run(x, torch.randn(16, 64).bfloat16().t().contiguous().t()) is None  # not row-major
     assert run(x, quantize(torch.randn(12, 64, generator=gen), "q4_0")) is None  # rows not whole groups of 8
     assert run(torch.randn(pl.MAX_ROWS + 1, 64), w) is None  # a long prompt: dequantize + GEMM is faster

@@ -9,8 +9,9 @@ inf or NaN takes the kernel's float32 path). Matrices whose rows do not form who
 
 bfloat16 / float16 matrices: torch widens each to a float32 copy per call (the LM head's 28 M weights for the
 one row a prompt's last position needs); the decode's float tiles (pk_tasks.linear: 2 weight rows x 4 prompt
-rows, widened in registers) read them as they are, in float32 arithmetic as the decode. float32 matrices stay
-with torch's GEMM, which reads them as fast.
+rows, widened in registers) read them as they are, in float32 arithmetic as the decode. float32 matrices go
+the same way for short prompts only (torch's GEMM reads them as they are): 1.46x / 2.4x / 1.25x / 1.11x / 1.05x
+/ 0.94x faster at 1 / 4 / 16 / 32 / 64 / 128 rows, so up to MAX_F32_ROWS.
 
 W's rows are split over torch's thread count, the parts run in one parallel region (``linear_parts``). SmolLM2's
 four projection shapes, summed, against torch (dequantize or widen, then GEMM), 2 threads, medians of 10 (AMD
@@ -29,7 +30,7 @@ from numba import njit, prange
 
 from yirage_backend_cpu.kernel_lib import FASTMATH
 from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q8_0, Q8_0G
-from yirage_backend_cpu.pk_tasks import BF16, F16, linear
+from yirage_backend_cpu.pk_tasks import BF16, F16, F32, linear
 from yirage_backend_cpu.quant_group import GROUP
 from yirage_backend_cpu.repacked import block_code, grouped
 from yirage_backend_cpu.sources import tie_caches_to_sources
@@ -39,7 +40,10 @@ from yirage_backend_cpu.threads import guard
 MAX_ROWS = 512
 #: ... and for bfloat16 / float16 weights, which torch widens to a float32 copy per call (module docstring)
 MAX_NARROW_ROWS = 128
-NARROW = {torch.bfloat16: BF16, torch.float16: F16}  # weight dtype -> pk_tasks' code
+#: ... and for float32 weights, which torch's GEMM reads as they are: the tiles win at short prompts only
+MAX_F32_ROWS = 32
+FLOAT_ROWS = {torch.bfloat16: MAX_NARROW_ROWS, torch.float16: MAX_NARROW_ROWS, torch.float32: MAX_F32_ROWS}
+FLOAT_CODES = {torch.bfloat16: BF16, torch.float16: F16, torch.float32: F32}  # weight dtype -> pk_tasks' code
 
 
 @njit(parallel=True, fastmath=FASTMATH, error_model="numpy", nogil=True, cache=True)
@@ -63,11 +67,11 @@ class PromptLinear:
         m = x.shape[0]
         if isinstance(weight, QuantizedTensor):
             return self._quantized(x, weight) if m <= MAX_ROWS else None
-        if (isinstance(weight, torch.Tensor) and weight.dtype in NARROW and weight.device.type == "cpu"
+        if (isinstance(weight, torch.Tensor) and weight.dtype in FLOAT_ROWS and weight.device.type == "cpu"
                 and weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.is_contiguous()
-                and m <= MAX_NARROW_ROWS):
+                and m <= FLOAT_ROWS[weight.dtype]):
             n, k = weight.shape
-            return self._run(x, n, [(weight.data_ptr(), NARROW[weight.dtype], n0, n1)
+            return self._run(x, n, [(weight.data_ptr(), FLOAT_CODES[weight.dtype], n0, n1)
                                     for n0, n1 in self._parts(n, 2)], 1)
         return None
 
