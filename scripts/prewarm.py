@@ -1,4 +1,4 @@
-"""Compile the cpu backend's decode kernels once, at set-up, so a user's first generate does not wait for numba.
+"""Compile the cpu backend's decode and prompt kernels once, at set-up, so a first generate does not wait for numba.
 
     python scripts/prewarm.py [--dtypes float32 bfloat16 q8_0 q4_0]
 
@@ -20,6 +20,7 @@ FORMATS = ("float32", "bfloat16", "q8_0", "q4_0")
 def warm(dtype: str) -> float:
     import torch
 
+    from yirage.backend.selection import resolve
     from yirage.models.config import LlamaConfig
     from yirage.models.llama import LlamaModel
 
@@ -33,6 +34,10 @@ def warm(dtype: str) -> float:
     tokens, step = torch.zeros(1, 16, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
     start = time.perf_counter()
     model.build_decoder(step, tokens, backend="cpu")(4)
+    # the prefill's projections (Backend.prompt_linear: one numba parallel region over W's parts)
+    linear = resolve("cpu", "prewarm").prompt_linear()
+    ids = torch.zeros(1, 4, dtype=torch.int64)
+    model.forward(ids, torch.arange(4).expand(1, 4), last_only=True, linear=linear)
     return time.perf_counter() - start
 
 
