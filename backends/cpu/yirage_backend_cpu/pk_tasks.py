@@ -291,17 +291,10 @@ def attention(qkv, b, g, group, d, pos, kc, vc, code, cache_seq, kv_heads, cos, 
     ``combine_chunks`` merges.
 
     ``kc``/``vc``: float32 arrays, or uint16 arrays of bfloat16/float16 bits (``code``): one compiled body per
-    cache type, the dtype a constant in each, so the loops widen in registers and vectorize.
+    array type (a body per dtype constant, 3 inlined copies, tripled the runtime's cold compile: 66 -> 190 s).
     ``scratch``: group * (d + s1 - s0 + 1) + d floats."""
-    if code == BF16:
-        attend(qkv, b, g, group, d, pos, kc, vc, BF16, cache_seq, kv_heads, cos, sin, s0, s1, outs, stride, whole,
-               scratch)
-    elif code == F16:
-        attend(qkv, b, g, group, d, pos, kc, vc, F16, cache_seq, kv_heads, cos, sin, s0, s1, outs, stride, whole,
-               scratch)
-    else:
-        attend(qkv, b, g, group, d, pos, kc, vc, F32, cache_seq, kv_heads, cos, sin, s0, s1, outs, stride, whole,
-               scratch)
+    attend(qkv, b, g, group, d, pos, kc, vc, code, cache_seq, kv_heads, cos, sin, s0, s1, outs, stride, whole,
+           scratch)
 
 
 @njit(inline="always", **OPTS)
