@@ -35,9 +35,9 @@ def zoo(tmp_path_factory):
     return zoo_factory(tmp_path_factory)
 
 
-def program(zoo, kind: str, dtype=torch.float32, sampling=None, batch: int = 2):
+def program(zoo, kind: str, dtype=torch.float32, sampling=None, batch: int = 2, kv_dtype=None):
     """The frozen program of a zoo model's decoder (built on the reference backend: only the program is used)."""
-    engine = InferEngine(zoo(kind, dtype).path, backend="reference")
+    engine = InferEngine(zoo(kind, dtype).path, backend="reference", kv_cache_dtype=kv_dtype)
     engine.reset_cache(batch, 16)
     return engine.model.build_decoder(engine._step, engine._tokens, backend="reference", sampling=sampling).program
 
@@ -89,9 +89,9 @@ def test_every_launch_names_a_kernel_whose_parameters_are_its_arguments(zoo, dia
 
 
 # every test model in float32, greedy; the sampler, biases and narrow weights once each
-CUDA_MODELS = [(kind, torch.float32, None) for kind in KINDS] + [
-    ("llama-gqa", torch.float32, SAMPLING), ("qwen2-bias-tied", torch.bfloat16, SAMPLING),
-    ("mistral-gqa", torch.float16, None)]
+CUDA_MODELS = [(kind, torch.float32, None, None) for kind in KINDS] + [
+    ("llama-gqa", torch.float32, SAMPLING, None), ("qwen2-bias-tied", torch.bfloat16, SAMPLING, torch.bfloat16),
+    ("mistral-gqa", torch.float16, None, torch.float16)]  # the last two with 16-bit KV caches (a store kernel)
 
 
 def test_the_persistent_kernel_of_every_test_model_compiles_for_cuda(zoo) -> None:
@@ -101,9 +101,11 @@ def test_the_persistent_kernel_of_every_test_model_compiles_for_cuda(zoo) -> Non
         cuda.nvrtc.toolchain()
     except cuda.ToolchainError as exc:
         pytest.skip(f"NVRTC is not usable here: {exc}")
-    sources = {f"{kind}-{str(dtype)[6:]}-{'sampling' if sampling else 'greedy'}":
-               render_persistent(program(zoo, kind, dtype, sampling), dialect("cuda")).source
-               for kind, dtype, sampling in CUDA_MODELS}
+    sources = {f"{kind}-{str(dtype)[6:]}-{'sampling' if sampling else 'greedy'}-kv-{str(kv or torch.float32)[6:]}":
+               render_persistent(program(zoo, kind, dtype, sampling, kv_dtype=kv), dialect("cuda")).source
+               for kind, dtype, sampling, kv in CUDA_MODELS}
+    # a 16-bit cache is written by its own store kernel (rounding), a float32 one by the attention itself
+    assert all(("y_kv_store" in src) == (not name.endswith("kv-float32")) for name, src in sources.items())
     report = cuda.compile_check(sources, ("sm_80", "sm_90"), options=cuda.BUILD_OPTIONS)
     print(report.summary())
     assert report.ok and report.compiled == 2 * len(sources), report.summary() + "".join(
