@@ -122,6 +122,7 @@ import numpy as np
 from numba import njit
 
 import yirage_backend_cpu.pk_runtime as runtime
+from yirage_backend_cpu.pk_entry import run_task, task_entry
 from yirage_backend_cpu.pk_tasks import C_KIND, C_N, C_OUT, C_TASKS, LINRES, OPTS, execute, f32s
 from yirage_backend_cpu.sources import tie_caches_to_sources
 
@@ -140,14 +141,19 @@ def perturbed_execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, 
             out[b * n + n0] += np.float32(0.5)
 
 
+def _perturbed_entry(task, w, frame, scratch, scratch_len):
+    run_task(perturbed_execute, task, w, frame, scratch, scratch_len)
+
+
+perturbed_entry = task_entry(_perturbed_entry)
 tie_caches_to_sources(globals())
-runtime.execute = perturbed_execute  # pk_runtime.decode resolves execute when it compiles
+runtime.execute_entry = perturbed_entry  # the task entry CPUPersistentRuntime.run hands decode
 '''
 
 
 def perturbed_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A numba cache of its own for the perturbed runtime (never the real one), kept between test runs when
-    pytest's cache is on, so only the first run pays the ~60 s cold compile; named by the perturbation."""
+    pytest's cache is on, so only the first run pays the cold compile of the task bodies; named by the perturbation."""
     name = "yirage-accuracy-perturbed-" + hashlib.sha256(PERTURBATION.encode()).hexdigest()[:16]
     cache = getattr(request.config, "cache", None)
     root = Path(cache.mkdir(name)) if cache is not None else tmp_path_factory.mktemp(name)

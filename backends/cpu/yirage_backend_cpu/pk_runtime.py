@@ -44,6 +44,7 @@ from yirage.persistent.specs import FloatCol, IntCol
 from yirage_backend_cpu.atomics import atomic_add, atomic_load, atomic_store, cycle_counter
 from yirage_backend_cpu.pk_calls import call_decode
 from yirage_backend_cpu.pk_comm import ERR_COMM, ERR_PIPE, FLAG_SLOTS, Communicator
+from yirage_backend_cpu.pk_entry import compiled, task_frame
 from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q4_BYTES, Q8_0, Q8_0G, Q8_BYTES, dtype_code
 from yirage_backend_cpu.pk_split import attention_chunks, expand, fold_profile
 from yirage_backend_cpu.pk_tasks import (
@@ -71,7 +72,7 @@ from yirage_backend_cpu.pk_tasks import (
     STOP,
     TASKS,
     check_compiled_layout,
-    execute,
+    execute_entry,
     i64s,
     pick_rows,
 )
@@ -118,8 +119,7 @@ def release(e, ctl, pending, gate_ptr, gate_list, task_q):  # type: ignore[no-un
 
 @njit(**OPTS)
 def run_role(w, is_sched, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, ev_list, gate_ptr, gate_list,
-             addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scratch, step, tokens, tok_cols, none,
-             flags, profile, profiling):  # type: ignore[no-untyped-def]
+             entry, frame, scratch, flags, profile, profiling):  # type: ignore[no-untyped-def]
     n_tasks = task_q.shape[0]
     n_events = trigger.shape[0]
     atomic_add(ctl, 4 + is_sched, 1)
@@ -138,8 +138,7 @@ def run_role(w, is_sched, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, e
             task = atomic_load(task_q, mine_t)
             if task >= 0:
                 start = cycle_counter()
-                execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scratch, step, tokens,
-                        tok_cols, none, flags)
+                entry(task, w, np.int64(frame.ctypes.data), np.int64(scratch.ctypes.data), scratch.shape[0])
                 if profiling:
                     profile[3 * task] = start
                     profile[3 * task + 1] = cycle_counter()
@@ -170,8 +169,8 @@ def run_role(w, is_sched, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, e
 
 @njit(**OPTS)
 def member(w, total, n_workers, sync, ctl, task_q, ev_q, pending, counts, waits, trigger, ev_ptr, ev_list, gate_ptr,
-           gate_list, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scratch, step, tokens, tok_cols, none,
-           flags, profile, picked, active, eos, max_seq, max_steps, steps_run):  # type: ignore[no-untyped-def]
+           gate_list, entry, frame, scratch, batch, step, tokens, tok_cols, flags, profile, picked, active, eos,
+           max_seq, max_steps, steps_run):  # type: ignore[no-untyped-def]
     """Thread ``w`` of the team for every step of the run (pk_team): its role, then the barrier; the last thread
     to arrive runs the serial section and opens the next step."""
     if gather(sync, total, flags) != GO:
@@ -179,8 +178,8 @@ def member(w, total, n_workers, sync, ctl, task_q, ev_q, pending, counts, waits,
     gen = 0
     while True:
         run_role(w, 1 if w >= n_workers else 0, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, ev_list,
-                 gate_ptr, gate_list, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scratch, step, tokens,
-                 tok_cols, none, flags, profile, profile.shape[0] > 0 and atomic_load(sync, STEPS) == 0)
+                 gate_ptr, gate_list, entry, frame, scratch, flags, profile,
+                 profile.shape[0] > 0 and atomic_load(sync, STEPS) == 0)
         if atomic_add(sync, ARRIVED, 1) == total - 1:
             atomic_store(sync, ARRIVED, 0)
             more = end_step(sync, flags, batch, tokens, tok_cols, step, picked, active, steps_run) == 1 \
@@ -200,7 +199,9 @@ def member(w, total, n_workers, sync, ctl, task_q, ev_q, pending, counts, waits,
 @njit(parallel=True, fastmath=OPTS["fastmath"], error_model="numpy", nogil=True, cache=True)
 def decode(addr, tdt, tnum, lp, lf, task_layer, task_index, ev_ptr, ev_list, waits, trigger, gate_ptr, gate_list,
            n_workers, n_sched, max_steps, eos, max_seq, batch, tokens_id, tok_cols, step_id, pick_id,
-           scratch, scr, profile, steps_run, flags):  # type: ignore[no-untyped-def]
+           scratch, scr, profile, steps_run, flags, entry):  # type: ignore[no-untyped-def]
+    """The run: one team of threads for every step; each task goes through ``entry`` (pk_entry: the task bodies
+    are compiled once, behind a C entry point, not into this loop)."""
     n_tasks = task_layer.shape[0]
     n_events = trigger.shape[0]
     task_q = np.empty(n_tasks, np.int64)
@@ -212,26 +213,25 @@ def decode(addr, tdt, tnum, lp, lf, task_layer, task_index, ev_ptr, ev_list, wai
     tokens = i64s(addr[tokens_id], batch * tok_cols)
     step = i64s(addr[step_id], batch)
     picked = i64s(addr[pick_id], batch)
-    none = np.empty(0, np.float32)
+    frame = task_frame(addr, tdt, tnum, lp, lf, task_layer, task_index, batch, step, tokens, tok_cols, flags)
     active = np.zeros(batch, np.bool_)
     if max_steps <= 0 or atomic_load(flags, STOP) != 0 or begin_step(
             waits, task_q, ev_q, pending, counts, ctl, eos, max_seq, batch, tokens, tok_cols, step, active) == 0:
         return 0
     total = n_workers + n_sched
     for w in prange(total):  # one team for every step (pk_team)
-        member(w, total, n_workers, sync, ctl, task_q, ev_q, pending, counts, waits, trigger, ev_ptr, ev_list,
-               gate_ptr, gate_list, addr, tdt, tnum, lp, lf, task_layer, task_index, batch,
-               scratch[w * scr:(w + 1) * scr], step, tokens, tok_cols, none, flags, profile, picked, active, eos,
-               max_seq, max_steps, steps_run)
+        member(np.int64(w), total, n_workers, sync, ctl, task_q, ev_q, pending, counts, waits, trigger, ev_ptr,
+               ev_list, gate_ptr, gate_list, entry, frame, scratch[w * scr:(w + 1) * scr], batch, step, tokens,
+               tok_cols, flags, profile, picked, active, eos, max_seq, max_steps, steps_run)
     # sync is read through atomic loads after the region: numba's parfor pass moved plain reads of it (an array
     # it does not see written in the loop body, only passed to a call) to before the region
     if atomic_load(sync, STATE) == ABORT:  # the threads did not all run at once: one region per step
         while True:
             profiling = profile.shape[0] > 0 and atomic_load(sync, STEPS) == 0
             for w in prange(total):
-                run_role(w, 1 if w >= n_workers else 0, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, ev_list,
-                         gate_ptr, gate_list, addr, tdt, tnum, lp, lf, task_layer, task_index, batch,
-                         scratch[w * scr:(w + 1) * scr], step, tokens, tok_cols, none, flags, profile, profiling)
+                run_role(np.int64(w), 1 if w >= n_workers else 0, ctl, task_q, ev_q, pending, counts, trigger,
+                         ev_ptr, ev_list, gate_ptr, gate_list, entry, frame, scratch[w * scr:(w + 1) * scr], flags,
+                         profile, profiling)
             if end_step(sync, flags, batch, tokens, tok_cols, step, picked, active, steps_run) == 0 \
                     or atomic_load(sync, STEPS) >= max_steps or atomic_load(flags, STOP) != 0 or begin_step(
                         waits, task_q, ev_q, pending, counts, ctl, eos, max_seq, batch, tokens, tok_cols, step,
@@ -443,7 +443,8 @@ class CPUPersistentRuntime:
             arrived.zero_()
         args = (self.addr, self.tdt, self.tnum, self.lp, self.lf, *self.graph_arrays, workers, schedulers, limit,
                 np.array(program.eos_token_ids or [-1], np.int64), program.max_seq_length, program.batch, tokens_id,
-                tok_cols, step_id, pick_id, self.scratch, self.scr, profile, self.steps_run, self.flags)
+                tok_cols, step_id, pick_id, self.scratch, self.scr, profile, self.steps_run, self.flags,
+                compiled(execute_entry))
         check_fork()
         comm = self.comm
         if comm is not None:

@@ -20,6 +20,7 @@ from typing import Any
 import numba
 import numpy as np
 from numba import njit, types
+from numba.core.ccallback import CFunc
 from numba.core.registry import CPUDispatcher
 from numba.extending import overload
 
@@ -54,6 +55,7 @@ from yirage_backend_cpu.kernel_lib import (
     rfma,
 )
 from yirage_backend_cpu.pk_comm import communicate
+from yirage_backend_cpu.pk_entry import recompile, run_task, task_entry
 from yirage_backend_cpu.pk_quant import dequantize_row, finish_rows, is_quantized, linear_q, row_bytes
 from yirage_backend_cpu.sources import tie_caches_to_sources
 
@@ -293,13 +295,6 @@ def attention(qkv, b, g, group, d, pos, kc, vc, code, cache_seq, kv_heads, cos, 
     ``kc``/``vc``: float32 arrays, or uint16 arrays of bfloat16/float16 bits (``code``): one compiled body per
     array type (a body per dtype constant, 3 inlined copies, tripled the runtime's cold compile: 66 -> 190 s).
     ``scratch``: group * (d + s1 - s0 + 1) + d floats."""
-    attend(qkv, b, g, group, d, pos, kc, vc, code, cache_seq, kv_heads, cos, sin, s0, s1, outs, stride, whole,
-           scratch)
-
-
-@njit(inline="always", **OPTS)
-def attend(qkv, b, g, group, d, pos, kc, vc, code, cache_seq, kv_heads, cos, sin, s0, s1, outs, stride, whole,
-           scratch):  # type: ignore[no-untyped-def]
     width = (group + 2) * d
     base = b * (kv_heads * width) + g * width
     cs = cos[pos * d:][:d]
@@ -609,6 +604,14 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
         communicate(layer, flags)
 
 
+def _execute_entry(task, w, frame, scratch, scratch_len):  # type: ignore[no-untyped-def]
+    run_task(execute, task, w, frame, scratch, scratch_len)
+
+
+# what the decode loop calls for every task: execute behind a C entry point, compiled once (pk_entry)
+execute_entry = task_entry(_execute_entry)
+
+
 @njit(**OPTS)
 def linear_widen(address, dtype, start, count, dst):  # type: ignore[no-untyped-def]
     for i in range(count):
@@ -634,10 +637,12 @@ def check_compiled_layout(runtime_namespace: dict[str, Any]) -> None:
     if _layout_checked:
         return
     if _compiled_layout() != LAYOUT:
-        for namespace in (globals(), runtime_namespace):  # execute() is compiled into pk_runtime's decode too
+        for namespace in (globals(), runtime_namespace):  # both froze the layout's numbers into their code
             for value in list(namespace.values()):
                 if isinstance(value, CPUDispatcher) and value.__module__ == namespace["__name__"]:
                     value.recompile()  # flushes its cache entries too
+                elif isinstance(value, CFunc) and value.__module__ == namespace["__name__"]:
+                    recompile(value)
         if _compiled_layout() != LAYOUT:
             raise AssertionError("the recompiled PK runtime still reports the old descriptor layout")
     _layout_checked = True

@@ -105,12 +105,13 @@ def tie_caches_to_sources(namespace: dict[str, Any]) -> None:
     ``NUMBA_CACHE_DIR`` pointing at a shared directory, another user could plant one there.
     """
     from numba.core.caching import IndexDataCacheFile
+    from numba.core.ccallback import CFunc
     from numba.core.registry import CPUDispatcher
 
     from yirage.compiler.cache import check_tree
 
-    for value in list(namespace.values()):
-        if not isinstance(value, CPUDispatcher) or value.__module__ != namespace.get("__name__"):
+    for value in list(namespace.values()):  # jitted functions, and C entry points (pk_entry: not compiled yet)
+        if not isinstance(value, CPUDispatcher | CFunc) or value.__module__ != namespace.get("__name__"):
             continue
         cache_dir = getattr(getattr(value, "_cache", None), "_cache_path", None)
         if isinstance(cache_dir, str) and cache_dir not in _checked:

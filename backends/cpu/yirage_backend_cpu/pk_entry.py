@@ -1,0 +1,106 @@
+"""Task bodies behind a C entry point, so numba compiles them once instead of once per caller.
+
+numba links a called function's whole optimized module into its caller's and
+runs LLVM's full pipeline and code generation over it again; the decode loop
+called ``execute`` through five levels (run_role, member, two parfor bodies,
+their wrappers, decode), so every task body was optimized and emitted about
+eight times: 100 of the runtime's 127 s of cold compile (2 cores). Called
+through a C callback's address instead, ``execute`` is compiled once, the loop
+above it is small, and the indirect call costs nanoseconds against a task's
+microseconds.
+
+A C callback takes scalars only, so the arrays ``execute`` reads travel as one
+int64 *frame* of (address, extent) slots that the decode loop fills once per
+call (``task_frame``) and ``run_task`` turns back into arrays.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numba
+import numpy as np
+from numba import njit, types
+from numba.core.ccallback import CFunc
+from numba.core.sigutils import normalize_signature
+
+from yirage_backend_cpu.kernel_lib import FASTMATH, as_pointer
+from yirage_backend_cpu.sources import tie_caches_to_sources
+
+# task, worker, frame address, the worker's scratch address, its scratch floats
+ENTRY_SIGNATURE = types.void(types.int64, types.int64, types.int64, types.int64, types.int64)
+# the frame's slots: every array execute reads, each as address then extent(s); then batch and tok_cols
+ADDR, TDT, TNUM, LP, LF, LAYER, INDEX, STEP, TOKENS, FLAGS = 0, 2, 4, 6, 9, 12, 14, 16, 18, 20
+BATCH, TOK_COLS = 22, 23
+FRAME_SLOTS = 24
+_lock = threading.Lock()
+
+
+def task_entry(pyfunc: Any) -> CFunc:
+    """``pyfunc(task, w, frame, scratch, scratch_len)`` as a C callback, cached on disk and compiled on first
+    use (``compiled``), not at import: the module's ``tie_caches_to_sources`` must see it before it loads."""
+    entry = CFunc(pyfunc, normalize_signature(ENTRY_SIGNATURE), locals={},
+                  options={"nopython": True, "fastmath": FASTMATH, "error_model": "numpy"})
+    entry.enable_caching()
+    entry.__module__ = pyfunc.__module__  # what tie_caches_to_sources / check_compiled_layout match on
+    return entry
+
+
+def compiled(entry: CFunc) -> CFunc:
+    """``entry``, compiled (or loaded from numba's cache) once per process."""
+    with _lock:
+        if entry.address is None:
+            entry.compile()
+    return entry
+
+
+def recompile(entry: CFunc) -> None:
+    """Drop ``entry``'s cached code and compile it again (a changed descriptor layout)."""
+    with _lock:
+        entry._cache.flush()
+        entry.compile()
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def task_frame(addr, tdt, tnum, lp, lf, task_layer, task_index, batch, step, tokens, tok_cols, flags):
+    """The frame ``run_task`` reads: the arrays stay owned (and alive) by the caller for the whole call."""
+    frame = np.empty(FRAME_SLOTS, np.int64)
+    _put(frame, ADDR, addr)
+    _put(frame, TDT, tdt)
+    _put(frame, TNUM, tnum)
+    _put(frame, LAYER, task_layer)
+    _put(frame, INDEX, task_index)
+    _put(frame, STEP, step)
+    _put(frame, TOKENS, tokens)
+    _put(frame, FLAGS, flags)
+    frame[LP], frame[LP + 1], frame[LP + 2] = lp.ctypes.data, lp.shape[0], lp.shape[1]
+    frame[LF], frame[LF + 1], frame[LF + 2] = lf.ctypes.data, lf.shape[0], lf.shape[1]
+    frame[BATCH], frame[TOK_COLS] = batch, tok_cols
+    return frame
+
+
+@njit(inline="always", error_model="numpy", nogil=True)
+def _put(frame, slot, a):  # type: ignore[no-untyped-def]
+    frame[slot] = a.ctypes.data
+    frame[slot + 1] = a.shape[0]
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy", nogil=True)
+def run_task(body, task, w, frame_addr, scratch_addr, scratch_len):  # type: ignore[no-untyped-def]
+    """``body(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scratch, step, tokens, tok_cols,
+    none, flags)`` on the arrays of the frame at ``frame_addr``."""
+    f = numba.carray(as_pointer(frame_addr), (FRAME_SLOTS,), np.int64)
+    lp = numba.carray(as_pointer(f[LP]), (f[LP + 1], f[LP + 2]), np.int64)
+    lf = numba.carray(as_pointer(f[LF]), (f[LF + 1], f[LF + 2]), np.float64)
+    body(task, w, _i64(f, ADDR), _i64(f, TDT), _i64(f, TNUM), lp, lf, _i64(f, LAYER), _i64(f, INDEX), f[BATCH],
+         numba.carray(as_pointer(scratch_addr), (scratch_len,), np.float32), _i64(f, STEP), _i64(f, TOKENS),
+         f[TOK_COLS], numba.carray(as_pointer(scratch_addr), (0,), np.float32), _i64(f, FLAGS))
+
+
+@njit(inline="always", error_model="numpy", nogil=True)
+def _i64(frame, slot):  # type: ignore[no-untyped-def]
+    return numba.carray(as_pointer(frame[slot]), (frame[slot + 1],), np.int64)
+
+
+tie_caches_to_sources(globals())
