@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=DTYPES, default="f32", help="weight dtype (q8_0/q4_0: quantized on load)")
     parser.add_argument("--kv-dtype", choices=list(KV_BYTES), default=KV_DTYPE,
                         help="yirage's KV cache dtype (llama.cpp's is f16)")
+    parser.add_argument("--prompt-dtype", choices=["bfloat16"], default=None,
+                        help="round yirage's prompt activations to bf16 (bf16 weights; InferEngine(prompt_dtype=))")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per case and peer (default 1)")
     parser.add_argument("--rounds", type=int, default=3, help="timed runs per case and peer (default 3)")
     parser.add_argument("--peers", type=parse_peers, default=[], help="llamacpp,hf, either one, or none (default)")
@@ -206,7 +208,8 @@ def load_engine(args: argparse.Namespace, model_path: Path) -> Any:
     from yirage.engine import InferEngine
 
     dtype = getattr(torch, TORCH_DTYPES[args.dtype]) if args.dtype in TORCH_DTYPES else args.dtype
-    return InferEngine(model_path, backend=args.backend, dtype=dtype, kv_cache_dtype=args.kv_dtype)
+    return InferEngine(model_path, backend=args.backend, dtype=dtype, kv_cache_dtype=args.kv_dtype,
+                       prompt_dtype=args.prompt_dtype)
 
 
 def progress(cases: list[Case]) -> Iterator[Case]:
@@ -278,7 +281,8 @@ def metadata(args: argparse.Namespace, engine: Any, model_name: str, model_forma
         "device": (info.get("device") or {}).get("name"), "model": model_name, "model_format": model_format,
         "model_config": {"layers": c.layers, "hidden": c.hidden, "intermediate": c.intermediate, "heads": c.heads,
                          "kv_heads": c.kv_heads, "head_dim": c.head_dim, "vocab": c.vocab},
-        "dtype": args.dtype, "kv_dtype": args.kv_dtype, "warmup": args.warmup, "rounds": args.rounds,
+        "dtype": args.dtype, "kv_dtype": args.kv_dtype, "prompt_dtype": args.prompt_dtype,
+        "warmup": args.warmup, "rounds": args.rounds,
         "peers": args.peers, "peer_threads": threads, "prompt": args.prompt or f"random ids (seed {args.seed})",
         "yirage": yr.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(),

@@ -24,6 +24,7 @@ from yirage.log import working
 from yirage.models.config import ModelError, resolve_dtype, resolve_kv_dtype
 from yirage.models.llama import LlamaModel
 from yirage.models.placement import Placement
+from yirage.models.prefill import check_prompt_dtype, resolve_prompt_dtype, rounded_linear
 from yirage.persistent.guard import refuse_dispatch_modes
 from yirage.persistent.kernel import EOS_LIMIT, TEMPERATURE_FLOOR
 
@@ -106,10 +107,16 @@ class InferEngine:
 
     def __init__(self, model_path: str | Path, backend: Any = None, dtype: Any = None,
                  num_workers: int | None = None, num_local_schedulers: int | None = None,
-                 tasks_per_layer: int | None = None, tp: int | None = None, kv_cache_dtype: Any = None) -> None:
+                 tasks_per_layer: int | None = None, tp: int | None = None, kv_cache_dtype: Any = None,
+                 prompt_dtype: Any = None) -> None:
         """``kv_cache_dtype``: the KV caches' dtype, float32 (None) or bfloat16/float16: a 16-bit cache halves the
         bytes each decode step reads at long contexts (2048 positions of SmolLM2: 94 MB of float32 per token)
         and the cache's memory; keys and values are rounded to it, as transformers' cache of a 16-bit model.
+
+        ``prompt_dtype``: None keeps the prompt's activations float32, the decode's own precision; "bfloat16"
+        (bf16 matrices only) rounds each projection's input to bfloat16 and multiplies in bf16, as transformers
+        and llama.cpp run a bf16 model's prompt: about 2x the projections' rate at 128+ prompt tokens on a CPU
+        with native bf16 dot products (prefill.rounded_linear). The decode keeps float32 activations.
 
         ``tasks_per_layer``: how many tasks each projection is split into (the LM head gets twice as many;
         default: the backend's proposal, see LlamaModel.build_decoder). Fewer, larger tasks cost less per task;
@@ -131,6 +138,7 @@ class InferEngine:
                              "torchrun --nproc-per-node 2, or None for one rank")
         _check_counts(num_workers, num_local_schedulers)
         kv_dtype = resolve_kv_dtype(kv_cache_dtype)  # before loading: a wrong name fails fast
+        prompt_dtype = resolve_prompt_dtype(prompt_dtype)
         self.tp = tp or 1
         self.tasks_per_layer = tasks_per_layer
         self._lock = ForkSafeRLock()  # a child forked while another thread generates gets a fresh lock
@@ -148,6 +156,8 @@ class InferEngine:
             _check_weight_format(self.backend, dtype)
             self.model, self.world = load_model(model_path, dtype, Placement.of_backend(self.backend)), None
         self.model.kv_dtype = kv_dtype
+        check_prompt_dtype(prompt_dtype, getattr(self.model.lm_head, "dtype", None))
+        self.prompt_dtype = prompt_dtype
         self._model_path = model_path
         self._tokenizer: Any = _UNSET  # built on first use (a GGUF file's takes seconds), then kept
         self._tokenizer_error: str | None = None
@@ -158,6 +168,12 @@ class InferEngine:
     @property
     def config(self) -> Any:
         return self.model.config
+
+    def _prompt_linear(self) -> Any:
+        """The prefill's projections: bf16-rounded ones first when asked (prompt_dtype), then the backend's
+        where they beat torch's float32 (Backend.prompt_linear), else torch's."""
+        linear = self.backend.prompt_linear()
+        return linear if self.prompt_dtype is None else rounded_linear(self.prompt_dtype, linear)
 
     @property
     def tokenizer(self) -> Any:
@@ -225,7 +241,7 @@ class InferEngine:
         with self._lock:
             if positions is None and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
                 positions = torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], input_ids.shape[1])
-            return self.model.forward(input_ids, positions, linear=self.backend.prompt_linear())
+            return self.model.forward(input_ids, positions, linear=self._prompt_linear())
 
     def encode(self, prompts: str | list[str]) -> Any:
         """Token ids (B, P) for text prompts (left-padded to one length), with the model's tokenizer."""
@@ -341,7 +357,7 @@ class InferEngine:
         start = time.perf_counter()
         positions = torch.arange(prompt).expand(batch, prompt)  # host-known: the prefill moves what it indexes
         with self._lock:
-            linear = self.backend.prompt_linear()  # the backend's projections where they beat torch's
+            linear = self._prompt_linear()  # the backend's projections where they beat torch's
             logits = self.model.forward(input_ids, positions, last_only=True, linear=linear)[:, -1]
         # the decode kernel's own picker: a seeded generation draws every token from the runtime's one sampler
         first = decoder.pick(logits)
