@@ -38,6 +38,8 @@ def warm(dtype: str) -> float:
     linear = resolve("cpu", "prewarm").prompt_linear()
     ids = torch.zeros(1, 4, dtype=torch.int64)
     model.forward(ids, torch.arange(4).expand(1, 4), last_only=True, linear=linear)
+    if dtype == "bfloat16":  # InferEngine(prompt_dtype="bfloat16"): bf16 dot products where the CPU has them
+        linear(torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16))
     return time.perf_counter() - start
 
 

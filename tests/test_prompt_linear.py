@@ -17,6 +17,7 @@ pytest.importorskip("numba")
 if not yr.is_backend_available("cpu"):
     pytest.skip("the cpu backend is not available", allow_module_level=True)
 
+from yirage_backend_cpu import bf16_dot  # noqa: E402
 from yirage_backend_cpu import prompt_linear as pl  # noqa: E402
 
 SEED = 20261127
@@ -77,6 +78,24 @@ def test_float_weights_are_read_as_they_are(dtype: torch.dtype, m: Any) -> None:
     tol = 4e-7 * 10 * (1 + want.abs().max().item())  # float32 sums of K = 100 products in another order
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=tol)
     assert pl.PromptLinear()(torch.randn(most + 1, 100), w) is None  # torch's GEMM from there
+
+
+@pytest.mark.skipif(not bf16_dot.native(), reason="this CPU has no AVX512-BF16 dot products")
+@pytest.mark.parametrize("m", [1, 3, 4, 7, 16])
+def test_rounded_bf16_prompts_use_native_bf16_dot_products(m: int) -> None:
+    """prompt_dtype="bfloat16": x arrives rounded, as bfloat16; the 2 x 4 tiles, their row and column tails (43
+    weight rows: pairs and an odd one; m % 4 prompt rows) against float64 on the same bf16 values."""
+    gen = torch.Generator().manual_seed(SEED + m)
+    w = torch.randn(43, 96, generator=gen).bfloat16()
+    x = torch.randn(m, 96, generator=gen).bfloat16()
+    got = pl.PromptLinear()(x, w)
+    assert got is not None and got.dtype == torch.float32 and got.shape == (m, 43)
+    want = x.double() @ w.double().t()
+    bound = 96 * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t())  # float32 sums of 96 exact products
+    assert bool(((got.double() - want).abs() <= bound).all())
+    assert pl.PromptLinear()(x[:, :80].contiguous(), w[:, :80].contiguous()) is None  # K not whole 32s: torch's
+    assert pl.PromptLinear()(x, w.float()) is None  # a float32 matrix under a bf16 x
+    assert pl.PromptLinear()(torch.zeros(pl.MAX_BF16_ROWS + 1, 96).bfloat16(), w) is None  # torch's bf16 GEMM
 
 
 def test_what_it_cannot_read_is_left_to_torch() -> None:

@@ -115,8 +115,9 @@ class InferEngine:
 
         ``prompt_dtype``: None keeps the prompt's activations float32, the decode's own precision; "bfloat16"
         (bf16 matrices only) rounds each projection's input to bfloat16 and multiplies in bf16, as transformers
-        and llama.cpp run a bf16 model's prompt: about 2x the projections' rate at 128+ prompt tokens on a CPU
-        with native bf16 dot products (prefill.rounded_linear). The decode keeps float32 activations.
+        and llama.cpp run a bf16 model's prompt (prefill.rounded_linear): the cpu backend's native bf16 dot
+        products where the CPU has them (2-3.5x its float32 projections' rate), else torch's bf16 matmul. The
+        decode keeps float32 activations.
 
         ``tasks_per_layer``: how many tasks each projection is split into (the LM head gets twice as many;
         default: the backend's proposal, see LlamaModel.build_decoder). Fewer, larger tasks cost less per task;

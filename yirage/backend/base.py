@@ -341,7 +341,9 @@ class Backend:
 
         The callable takes ``x`` (M, K) float32 on this backend's device and a weight (a torch tensor or a
         ``yirage.quant.QuantizedTensor``) and returns ``x @ W.T`` as (M, N) float32, or None where it has no
-        faster way for that weight or M (torch's then runs). A backend offers it where its own kernels beat a
+        faster way for that weight or M (torch's then runs). With ``InferEngine(prompt_dtype="bfloat16")``
+        ``x`` comes rounded, as bfloat16, for bf16 weights (``prefill.rounded_linear``): the sum of products
+        of those values, accumulated in float32, or None. A backend offers it where its own kernels beat a
         dequantize-then-GEMM, e.g. quantized matrices read as blocks.
         """
         return None

@@ -30,25 +30,24 @@ def project(h: Any, weight: Any, linear: Linear | None = None) -> Any:
     return h @ dense(weight).t()
 
 
-#: prompt rows from which a bfloat16 GEMM (native bf16 dot products) beats the float32 projections; fewer rows
-#: keep float32 activations. Measured on 2 cores (AMD EPYC, AVX512-BF16), a 1536 x 576 bf16 matrix: the cpu
-#: backend's float tiles 0.08 / 0.12 / 0.27 / 1.28 ms at 1 / 4 / 16 / 128 rows, torch's bf16 matmul 0.15 / 0.18 /
-#: 0.17 / 0.62 ms; the 49152 x 576 LM head 2.5 / 4.2 / 7.7 / 50 against 6.2 / 5.7 / 6.4 / 25.
-ROUNDED_MIN_ROWS = 16
 PROMPT_DTYPES = ("bfloat16",)
 
 
 def rounded_linear(dtype: Any, then: Linear | None) -> Linear:
     """Projections that round the prompt's activations to ``dtype`` for ``dtype`` weights, as transformers and
-    llama.cpp run a 16-bit model's prompt: ``x`` rounded to ``dtype``, multiplied by torch in ``dtype`` (float32
-    accumulation; native bf16 dot products where the CPU has them, 2x the float32 GEMM's rate), the product
-    rounded to ``dtype`` as a transformers bf16 Linear's, then widened. Weights of another dtype, and prompts of
-    fewer than ROUNDED_MIN_ROWS rows (where the float32 path is faster), go to ``then``."""
+    llama.cpp run a 16-bit model's prompt: ``x`` rounded to ``dtype`` and handed to ``then`` (a backend's
+    projection: the cpu backend's native bf16 dot products) or else multiplied by torch in ``dtype`` (float32
+    accumulation); the product rounded to ``dtype`` as a transformers bf16 Linear's, then widened. Weights of
+    another dtype go to ``then`` as they are."""
 
     def linear(x: Any, weight: Any) -> Any:
-        if getattr(weight, "dtype", None) == dtype and x.dim() == 2 and x.shape[0] >= ROUNDED_MIN_ROWS:
-            return (x.to(dtype) @ weight.t()).float()
-        return then(x, weight) if then is not None else None
+        if getattr(weight, "dtype", None) != dtype or x.dim() != 2:
+            return then(x, weight) if then is not None else None
+        rounded = x.to(dtype)
+        out = then(rounded, weight) if then is not None else None
+        if out is None:
+            out = rounded @ weight.t()
+        return out.to(dtype).float()
 
     return linear
 
