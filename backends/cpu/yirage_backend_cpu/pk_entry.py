@@ -37,10 +37,11 @@ FRAME_SLOTS = 24
 _lock = threading.Lock()
 
 
-def task_entry(pyfunc: Any) -> CFunc:
-    """``pyfunc(task, w, frame, scratch, scratch_len)`` as a C callback, cached on disk and compiled on first
-    use (``compiled``), not at import: the module's ``tie_caches_to_sources`` must see it before it loads."""
-    entry = CFunc(pyfunc, normalize_signature(ENTRY_SIGNATURE), locals={},
+def task_entry(pyfunc: Any, signature: Any = ENTRY_SIGNATURE) -> CFunc:
+    """``pyfunc(task, w, frame, scratch, scratch_len)`` (or ``signature``'s scalars) as a C callback, cached on
+    disk and compiled on first use (``compiled``), not at import: the module's ``tie_caches_to_sources`` must see
+    it before it loads."""
+    entry = CFunc(pyfunc, normalize_signature(signature), locals={},
                   options={"nopython": True, "fastmath": FASTMATH, "error_model": "numpy"})
     entry.enable_caching()
     entry.__module__ = pyfunc.__module__  # what tie_caches_to_sources / check_compiled_layout match on
