@@ -147,3 +147,27 @@ def opencl_device_count() -> int:
         except cl.Error:
             continue  # a platform without devices
     return count
+
+
+def persistent_backends() -> list[str]:
+    import yirage as yr
+
+    return [backend.value for backend in yr.get_available_backends()]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``pk_backend``'s parameters, probed only where a collected test asks for it."""
+    if "pk_backend" in metafunc.fixturenames:
+        metafunc.parametrize("pk_backend", persistent_backends(), indirect=True)
+
+
+@pytest.fixture
+def pk_backend(request: pytest.FixtureRequest) -> str:
+    """Each available backend with a PersistentKernel runtime (the others skip): what an LLM test runs on."""
+    import yirage as yr
+    from yirage.backend.selection import registry
+
+    backend = registry().get(request.param)
+    if type(backend).persistent_runtime is yr.Backend.persistent_runtime:
+        pytest.skip(f"backend {request.param!r} has no PersistentKernel runtime yet")
+    return request.param

@@ -201,3 +201,4 @@ def zoo_factory(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.getbasetemp() / "llm_zoo"
     root.mkdir(exist_ok=True)
     return lambda kind, dtype=torch.float32: zoo_model(kind, dtype, root)
+

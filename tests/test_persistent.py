@@ -41,20 +41,6 @@ def zoo(tmp_path_factory):
     return zoo_factory(tmp_path_factory)
 
 
-def persistent_backends() -> list[str]:
-    return [backend.value for backend in yr.get_available_backends()]
-
-
-@pytest.fixture(params=persistent_backends())
-def pk_backend(request) -> str:
-    from yirage.backend.selection import registry
-
-    backend = registry().get(request.param)
-    if type(backend).persistent_runtime is yr.Backend.persistent_runtime:
-        pytest.skip(f"backend {request.param!r} has no PersistentKernel runtime yet")
-    return request.param
-
-
 def need_cpu() -> None:
     if not yr.is_backend_available("cpu"):
         pytest.skip("the cpu backend is not available here")
