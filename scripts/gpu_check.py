@@ -49,7 +49,7 @@ GPU_TESTS = ["tests/test_cuda_launch.py", "tests/test_cuda_build.py", "tests/tes
              "tests/test_triton_render.py", "tests/test_device_placement.py", "tests/test_triton_aot.py",
              "tests/test_cuda_megakernel.py"]
 LLM_TESTS = ["tests/test_persistent.py", "tests/test_llm_ablation.py", "tests/test_pk_render.py",
-             "tests/test_smollm2.py"]
+             "tests/test_prompt_dtype.py", "tests/test_smollm2.py"]
 
 
 @dataclass
