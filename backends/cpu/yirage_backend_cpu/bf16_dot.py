@@ -109,7 +109,7 @@ def _tile(wrows: int, xrows: int):  # type: ignore[no-untyped-def]
 
 #: tile_{w}x{x}(x_addr, x_stride, w_addr, w_stride, chunks) -> the w x x float32 dots of w bf16 weight rows with
 #: x bf16 rows of x (weight row major), over chunks * 32 values; strides in bytes
-tile_2x4, tile_2x1, tile_1x4, tile_1x1 = _tile(2, 4), _tile(2, 1), _tile(1, 4), _tile(1, 1)
+tile_2x4, tile_2x1 = _tile(2, 4), _tile(2, 1)
 
 
 @njit(parallel=True, error_model="numpy", nogil=True, cache=True)
@@ -120,32 +120,25 @@ def bf16_parts(x_addr, m, k, w_addr, n0s, n1s, out, n):  # type: ignore[no-untyp
     chunks = k // CHUNK
     for p in prange(n0s.shape[0]):
         r = n0s[p]
-        while r + 2 <= n1s[p]:
+        while r < n1s[p]:
+            pair = r + 1 < n1s[p]
+            stride = row if pair else 0  # an odd last row: the pair's tiles on that row twice, one half unused
             wa = w_addr + r * row
             b = 0
             while b + 4 <= m:
-                t = tile_2x4(x_addr + b * row, row, wa, row, chunks)
+                t = tile_2x4(x_addr + b * row, row, wa, stride, chunks)
                 for j in range(4):
                     out[(b + j) * n + r] = t[j]
-                    out[(b + j) * n + r + 1] = t[4 + j]
+                    if pair:
+                        out[(b + j) * n + r + 1] = t[4 + j]
                 b += 4
             while b < m:
-                t2 = tile_2x1(x_addr + b * row, row, wa, row, chunks)
-                out[b * n + r] = t2[0]
-                out[b * n + r + 1] = t2[1]
+                t1 = tile_2x1(x_addr + b * row, row, wa, stride, chunks)
+                out[b * n + r] = t1[0]
+                if pair:
+                    out[b * n + r + 1] = t1[1]
                 b += 1
             r += 2
-        if r < n1s[p]:  # an odd last row
-            wa = w_addr + r * row
-            b = 0
-            while b + 4 <= m:
-                t4 = tile_1x4(x_addr + b * row, row, wa, row, chunks)
-                for j in range(4):
-                    out[(b + j) * n + r] = t4[j]
-                b += 4
-            while b < m:
-                out[b * n + r] = tile_1x1(x_addr + b * row, row, wa, row, chunks)[0]
-                b += 1
 
 
 def usable(x: Any, weight: Any) -> bool:
