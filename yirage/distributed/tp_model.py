@@ -59,6 +59,11 @@ class TPModel:
         return self.plan.config
 
     @property
+    def lm_head(self) -> Any:
+        """This rank's rows of the LM head (their dtype is the model's matrices': InferEngine's prompt_dtype)."""
+        return self.shard.lm_head
+
+    @property
     def k_cache(self) -> list[Any]:
         return self.reference.k_cache
 
