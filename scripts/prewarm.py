@@ -30,6 +30,8 @@ def warm(dtype: str) -> float:
     gen = torch.Generator().manual_seed(0)
     weights = {n: torch.randn(s, generator=gen) * 0.2 for n, s in config.weight_shapes().items()}
     model = LlamaModel(config, weights, dtype)
+    if dtype == "bfloat16":  # and attention over 16-bit KV caches (InferEngine(kv_cache_dtype=...)), compiled apart
+        model.kv_dtype = torch.bfloat16
     model.reset_cache(1, 16)
     tokens, step = torch.zeros(1, 16, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
     start = time.perf_counter()

@@ -129,9 +129,9 @@ from yirage_backend_cpu.sources import tie_caches_to_sources
 
 @njit(**OPTS)
 def perturbed_execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scratch, step, tokens,
-                      tok_cols, none, flags):
+                      tok_cols, none, flags, entries):
     execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scratch, step, tokens, tok_cols, none,
-            flags)
+            flags, entries)
     layer = task_layer[task]
     if lp[layer, C_KIND] == LINRES:
         out = f32s(addr[lp[layer, C_OUT]], tnum[lp[layer, C_OUT]])

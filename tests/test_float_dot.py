@@ -34,7 +34,7 @@ def run_tile(w: torch.Tensor, x: torch.Tensor, n0: int, n1: int, res: torch.Tens
     r = none if res is None else res.contiguous().view(-1).numpy()
     b = none if bias is None else bias.numpy()
     pk_tasks.linear(xs, batch, k, w.data_ptr(), CODES[w.dtype], n0, n1, out, n, r, b, np.zeros(4 * batch * k,
-                                                                                             np.float32))
+                                                                                             np.float32), 0)
     return torch.from_numpy(out).view(batch, n)
 
 

@@ -259,7 +259,7 @@ def test_gemv_tile_propagates_special_values_like_torch() -> None:
     out = np.full(2 * n, -7.0, np.float32)
     none = np.empty(0, np.float32)
     xs = x.flatten().numpy().copy()
-    pk_tasks.linear(xs, 2, k, w.data_ptr(), pk_tasks.F32, 0, n, out, n, none, none, np.zeros(4 * k, np.float32))
+    pk_tasks.linear(xs, 2, k, w.data_ptr(), pk_tasks.F32, 0, n, out, n, none, none, np.zeros(4 * k, np.float32), 0)
     want = x.double() @ w.double().t()
     got = torch.from_numpy(out).view(2, n)
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[want.isinf()], want[want.isinf()].float())

@@ -138,6 +138,31 @@ def test_cpu_quant_rows_match_float64_on_the_dequantized_blocks(fmt, groups, k, 
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_the_decode_reaches_quantized_rows_through_their_entry_point(fmt) -> None:
+    """pk_tasks.linear calls linear_q compiled apart, by address (pk_quant.linear_q_entry): the same bits as
+    linear_q called directly; with no entry point (0) the rows are NaN, never a call to address 0."""
+    need_cpu()
+    from yirage_backend_cpu import pk_quant, pk_tasks
+
+    gen = torch.Generator().manual_seed(SEED)
+    w = quantize(torch.randn(24, 64, generator=gen), fmt)
+    x = torch.randn(3, 64, generator=gen)
+    bias, res = torch.randn(24, generator=gen), torch.randn(3, 24, generator=gen)
+    code = pk_quant.dtype_code(fmt, w.blocks)
+
+    def rows(quant: int) -> np.ndarray:
+        out = np.zeros(3 * 24, np.float32)
+        pk_tasks.linear(x.view(-1).numpy().copy(), 3, 64, w.blocks.data_ptr(), code, 4, 20, out, 24,
+                        res.view(-1).numpy(), bias.numpy(), np.zeros(2 * 3 * 64, np.float32), quant)
+        return out.reshape(3, 24)
+
+    want = quant_kernel_rows(fmt, w, x, bias, res, rows=(4, 20)).numpy()
+    assert np.array_equal(rows(pk_quant.quantized_entry([code])), want)
+    unreached = rows(0)
+    assert np.isnan(unreached[:, 4:20]).all() and not unreached[:, :4].any() and not unreached[:, 20:].any()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_cpu_groups_serve_task_ranges_that_cut_groups(fmt) -> None:
     """A task's rows need not start or end on a group of 8: rows outside [n0, n1) stay untouched, rows inside are
     the full GEMV's (bit for bit: the same group pass computes them)."""

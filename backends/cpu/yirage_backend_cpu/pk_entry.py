@@ -21,9 +21,11 @@ from typing import Any
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
 from numba.core.ccallback import CFunc
 from numba.core.sigutils import normalize_signature
+from numba.extending import intrinsic
 
 from yirage_backend_cpu.kernel_lib import FASTMATH, as_pointer
 from yirage_backend_cpu.sources import tie_caches_to_sources
@@ -31,9 +33,14 @@ from yirage_backend_cpu.sources import tie_caches_to_sources
 # task, worker, frame address, the worker's scratch address, its scratch floats
 ENTRY_SIGNATURE = types.void(types.int64, types.int64, types.int64, types.int64, types.int64)
 # the frame's slots: every array execute reads, each as address then extent(s); then batch and tok_cols
-ADDR, TDT, TNUM, LP, LF, LAYER, INDEX, STEP, TOKENS, FLAGS = 0, 2, 4, 6, 9, 12, 14, 16, 18, 20
-BATCH, TOK_COLS = 22, 23
-FRAME_SLOTS = 24
+ADDR, TDT, TNUM, LP, LF, LAYER, INDEX, STEP, TOKENS, FLAGS, ENTRIES = 0, 2, 4, 6, 9, 12, 14, 16, 18, 20, 22
+BATCH, TOK_COLS = 24, 25
+FRAME_SLOTS = 26
+# ``entries``: the addresses of the task bodies compiled apart, on first use, only for a model that needs them
+# (0: not needed): Q8_0 / Q4_0 projections (pk_quant.linear_q_entry), attention over 16-bit KV caches
+# (pk_tasks.narrow_attention_entry). A float model with float32 caches compiles neither: 42 -> 31 s cold.
+QUANT_ENTRY, NARROW_ATTENTION_ENTRY = 0, 1
+ENTRY_COUNT = 2
 _lock = threading.Lock()
 
 
@@ -63,8 +70,29 @@ def recompile(entry: CFunc) -> None:
         entry.compile()
 
 
+@intrinsic
+def call_c(typingctx, address, args):  # type: ignore[no-untyped-def]
+    """Call the C function at ``address`` (a compiled entry point's, ``CFunc.address``) with ``args``, a tuple of
+    integers passed as int64: code compiled apart (on first use) called from code compiled without it."""
+    if not isinstance(address, types.Integer) or not isinstance(args, types.BaseTuple) or not all(
+            isinstance(t, types.Integer) for t in args):
+        return None
+
+    def codegen(context, builder, signature, values):  # type: ignore[no-untyped-def]
+        kinds = signature.args[1]
+        ints = [context.cast(builder, builder.extract_value(values[1], i), kinds[i], types.int64)
+                for i in range(len(kinds))]
+        i64 = ir.IntType(64)
+        target = builder.inttoptr(context.cast(builder, values[0], signature.args[0], types.int64),
+                                  ir.FunctionType(ir.VoidType(), [i64] * len(ints)).as_pointer())
+        builder.call(target, ints)
+        return context.get_dummy_value()
+
+    return types.void(address, args), codegen
+
+
 @njit(cache=True, error_model="numpy", nogil=True)
-def task_frame(addr, tdt, tnum, lp, lf, task_layer, task_index, batch, step, tokens, tok_cols, flags):
+def task_frame(addr, tdt, tnum, lp, lf, task_layer, task_index, batch, step, tokens, tok_cols, flags, entries):
     """The frame ``run_task`` reads: the arrays stay owned (and alive) by the caller for the whole call."""
     frame = np.empty(FRAME_SLOTS, np.int64)
     _put(frame, ADDR, addr)
@@ -75,6 +103,7 @@ def task_frame(addr, tdt, tnum, lp, lf, task_layer, task_index, batch, step, tok
     _put(frame, STEP, step)
     _put(frame, TOKENS, tokens)
     _put(frame, FLAGS, flags)
+    _put(frame, ENTRIES, entries)
     frame[LP], frame[LP + 1], frame[LP + 2] = lp.ctypes.data, lp.shape[0], lp.shape[1]
     frame[LF], frame[LF + 1], frame[LF + 2] = lf.ctypes.data, lf.shape[0], lf.shape[1]
     frame[BATCH], frame[TOK_COLS] = batch, tok_cols
@@ -90,13 +119,13 @@ def _put(frame, slot, a):  # type: ignore[no-untyped-def]
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy", nogil=True)
 def run_task(body, task, w, frame_addr, scratch_addr, scratch_len):  # type: ignore[no-untyped-def]
     """``body(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scratch, step, tokens, tok_cols,
-    none, flags)`` on the arrays of the frame at ``frame_addr``."""
+    none, flags, entries)`` on the arrays of the frame at ``frame_addr``."""
     f = numba.carray(as_pointer(frame_addr), (FRAME_SLOTS,), np.int64)
     lp = numba.carray(as_pointer(f[LP]), (f[LP + 1], f[LP + 2]), np.int64)
     lf = numba.carray(as_pointer(f[LF]), (f[LF + 1], f[LF + 2]), np.float64)
     body(task, w, _i64(f, ADDR), _i64(f, TDT), _i64(f, TNUM), lp, lf, _i64(f, LAYER), _i64(f, INDEX), f[BATCH],
          numba.carray(as_pointer(scratch_addr), (scratch_len,), np.float32), _i64(f, STEP), _i64(f, TOKENS),
-         f[TOK_COLS], numba.carray(as_pointer(scratch_addr), (0,), np.float32), _i64(f, FLAGS))
+         f[TOK_COLS], numba.carray(as_pointer(scratch_addr), (0,), np.float32), _i64(f, FLAGS), _i64(f, ENTRIES))
 
 
 @njit(inline="always", error_model="numpy", nogil=True)

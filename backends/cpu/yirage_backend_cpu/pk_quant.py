@@ -19,9 +19,10 @@ from typing import Any
 
 import numba
 import numpy as np
-from numba import njit
+from numba import njit, types
 
 from yirage_backend_cpu.kernel_lib import FASTMATH, as_pointer, half_to_float
+from yirage_backend_cpu.pk_entry import task_entry
 from yirage_backend_cpu.quant_dot import (
     dot_q4,
     dot_q4_x16_row,
@@ -114,6 +115,30 @@ def linear_q(xs, batch, k, w_addr, dtype, n0, n1, out, out_cols, res, bias, work
                 s = _float_row(x0 + b * k * 4, row, nb, dtype)
             out[U(b) * U(out_cols) + U(n)] = s
     finish_rows(out, out_cols, batch, n0, n1, res, bias)
+
+
+def _linear_q_c(x, batch, k, w_addr, dtype, n0, n1, out, out_len, out_cols, res, res_len, bias, bias_len, work,
+                work_len):  # type: ignore[no-untyped-def]
+    linear_q(_f32s(x, batch * k), batch, k, w_addr, dtype, n0, n1, _f32s(out, out_len), out_cols, _f32s(res, res_len),
+             _f32s(bias, bias_len), _f32s(work, work_len))
+
+
+# linear_q behind a C entry point, compiled on first use (pk_entry): a float model never compiles the quantized
+# kernels (a third of the decode runtime's cold compile); pk_tasks.linear calls it by address (call_c)
+linear_q_entry = task_entry(_linear_q_c, types.void(*(types.int64,) * 16))
+
+
+def quantized_entry(codes: Any) -> int:
+    """The address ``linear`` calls for quantized matrices: ``linear_q_entry``'s, compiled now, where any of the
+    dtype ``codes`` (an address table's) is a quantized format; else 0 (never called)."""
+    from yirage_backend_cpu.pk_entry import compiled
+
+    return int(compiled(linear_q_entry).address) if any(is_quantized.py_func(int(c)) for c in codes) else 0
+
+
+@njit(inline="always", **OPTS)
+def _f32s(address, n):  # type: ignore[no-untyped-def]
+    return numba.carray(as_pointer(address), (n,), np.float32)
 
 
 @njit(inline="always", **OPTS)

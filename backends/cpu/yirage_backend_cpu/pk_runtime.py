@@ -44,10 +44,11 @@ from yirage.persistent.specs import FloatCol, IntCol
 from yirage_backend_cpu.atomics import atomic_add, atomic_load, atomic_store, cycle_counter
 from yirage_backend_cpu.pk_calls import call_decode
 from yirage_backend_cpu.pk_comm import ERR_COMM, ERR_PIPE, FLAG_SLOTS, Communicator
-from yirage_backend_cpu.pk_entry import compiled, task_frame
-from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q4_BYTES, Q8_0, Q8_0G, Q8_BYTES, dtype_code
+from yirage_backend_cpu.pk_entry import ENTRY_COUNT, NARROW_ATTENTION_ENTRY, QUANT_ENTRY, compiled, task_frame
+from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q4_BYTES, Q8_0, Q8_0G, Q8_BYTES, dtype_code, quantized_entry
 from yirage_backend_cpu.pk_split import attention_chunks, expand, fold_profile
 from yirage_backend_cpu.pk_tasks import (
+    ATT_KC,
     ATTN,
     BF16,
     C_ARRIVED,
@@ -74,6 +75,7 @@ from yirage_backend_cpu.pk_tasks import (
     check_compiled_layout,
     execute_entry,
     i64s,
+    narrow_attention_entry,
     pick_rows,
 )
 from yirage_backend_cpu.pk_team import (
@@ -199,9 +201,10 @@ def member(w, total, n_workers, sync, ctl, task_q, ev_q, pending, counts, waits,
 @njit(parallel=True, fastmath=OPTS["fastmath"], error_model="numpy", nogil=True, cache=True)
 def decode(addr, tdt, tnum, lp, lf, task_layer, task_index, ev_ptr, ev_list, waits, trigger, gate_ptr, gate_list,
            n_workers, n_sched, max_steps, eos, max_seq, batch, tokens_id, tok_cols, step_id, pick_id,
-           scratch, scr, profile, steps_run, flags, entry):  # type: ignore[no-untyped-def]
+           scratch, scr, profile, steps_run, flags, entry, entries):  # type: ignore[no-untyped-def]
     """The run: one team of threads for every step; each task goes through ``entry`` (pk_entry: the task bodies
-    are compiled once, behind a C entry point, not into this loop)."""
+    are compiled once, behind a C entry point, not into this loop); ``entries``: the addresses of the bodies
+    compiled apart (pk_entry.ENTRY_COUNT of them, 0 where the model needs none)."""
     n_tasks = task_layer.shape[0]
     n_events = trigger.shape[0]
     task_q = np.empty(n_tasks, np.int64)
@@ -213,7 +216,8 @@ def decode(addr, tdt, tnum, lp, lf, task_layer, task_index, ev_ptr, ev_list, wai
     tokens = i64s(addr[tokens_id], batch * tok_cols)
     step = i64s(addr[step_id], batch)
     picked = i64s(addr[pick_id], batch)
-    frame = task_frame(addr, tdt, tnum, lp, lf, task_layer, task_index, batch, step, tokens, tok_cols, flags)
+    frame = task_frame(addr, tdt, tnum, lp, lf, task_layer, task_index, batch, step, tokens, tok_cols, flags,
+                       entries)
     active = np.zeros(batch, np.bool_)
     if max_steps <= 0 or atomic_load(flags, STOP) != 0 or begin_step(
             waits, task_q, ev_q, pending, counts, ctl, eos, max_seq, batch, tokens, tok_cols, step, active) == 0:
@@ -395,6 +399,15 @@ class CPUPersistentRuntime:
             split[layer] = chunks
         return split
 
+    def _entries(self) -> np.ndarray:
+        """The addresses of the task bodies compiled apart (pk_entry.ENTRY_COUNT), each compiled now if this
+        program needs it (quantized matrices; attention over 16-bit caches), else 0."""
+        entries = np.zeros(ENTRY_COUNT, np.int64)
+        entries[QUANT_ENTRY] = quantized_entry(self.tdt)
+        narrow = any(row[C_KIND] == ATTN and self.tdt[row[ATT_KC]] != F32 for row in self.lp)
+        entries[NARROW_ATTENTION_ENTRY] = int(compiled(narrow_attention_entry).address) if narrow else 0
+        return entries
+
     def value(self, name: str) -> Any:
         return self.values[name]
 
@@ -444,7 +457,7 @@ class CPUPersistentRuntime:
         args = (self.addr, self.tdt, self.tnum, self.lp, self.lf, *self.graph_arrays, workers, schedulers, limit,
                 np.array(program.eos_token_ids or [-1], np.int64), program.max_seq_length, program.batch, tokens_id,
                 tok_cols, step_id, pick_id, self.scratch, self.scr, profile, self.steps_run, self.flags,
-                compiled(execute_entry))
+                compiled(execute_entry), self._entries())
         check_fork()
         comm = self.comm
         if comm is not None:

@@ -55,8 +55,8 @@ from yirage_backend_cpu.kernel_lib import (
     rfma,
 )
 from yirage_backend_cpu.pk_comm import communicate
-from yirage_backend_cpu.pk_entry import recompile, run_task, task_entry
-from yirage_backend_cpu.pk_quant import dequantize_row, finish_rows, is_quantized, linear_q, row_bytes
+from yirage_backend_cpu.pk_entry import NARROW_ATTENTION_ENTRY, QUANT_ENTRY, call_c, recompile, run_task, task_entry
+from yirage_backend_cpu.pk_quant import dequantize_row, finish_rows, is_quantized, row_bytes
 from yirage_backend_cpu.sources import tie_caches_to_sources
 
 U = np.uint64
@@ -223,11 +223,21 @@ def row_tail(xs, b, k, w_addr, w_dtype, nn, chunks, s):  # type: ignore[no-untyp
 
 
 @njit(**OPTS)
-def linear(xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias, work):  # type: ignore[no-untyped-def]
+def linear(xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias, work, quant):
+    # type: ignore[no-untyped-def]
+    """Rows n0..n1 of x @ W.T: the float tiles, or Q8_0 / Q4_0 blocks through ``quant``, the address of
+    pk_quant.linear_q_entry (compiled apart, only for a model that has quantized matrices; 0: none, and the
+    rows come out NaN rather than a call to address 0)."""
     if w_dtype == F32 or w_dtype == BF16 or w_dtype == F16:
         linear_float(xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias)
-    else:  # Q8_0 / Q4_0 blocks (pk_quant.is_quantized)
-        linear_q(xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias, work)
+    elif quant != 0:  # Q8_0 / Q4_0 blocks (pk_quant.is_quantized)
+        call_c(quant, (xs.ctypes.data, batch, k, w_addr, w_dtype, n0, n1, out.ctypes.data, out.shape[0], out_cols,
+                       res.ctypes.data, res.shape[0], bias.ctypes.data, bias.shape[0], work.ctypes.data,
+                       work.shape[0]))
+    else:
+        for b in range(batch):
+            for n in range(n0, n1):
+                out[b * out_cols + n] = np.float32(np.nan)
 
 
 # -- RoPE, attention, pickers ---------------------------------------------------------------
@@ -418,6 +428,20 @@ def attention_task(layer, t, qkv, kc, vc, code, step, cos, sin, out, n_out, lp, 
         combine_chunks(parts, chunks, group, d, row)
 
 
+def _narrow_attention_c(layer, t, qkv, qkv_n, kc, kc_n, vc, vc_n, code, step, step_n, cos, cos_n, sin, sin_n, out,
+                        out_n, n_out, lp, lp_rows, lp_cols, addr, addr_n, tnum, scratch, scratch_n):
+    # type: ignore[no-untyped-def]
+    attention_task(layer, t, f32s(qkv, qkv_n), u16s(kc, kc_n), u16s(vc, vc_n), code, i64s(step, step_n),
+                   f32s(cos, cos_n), f32s(sin, sin_n), f32s(out, out_n), n_out,
+                   numba.carray(as_pointer(lp), (lp_rows, lp_cols), np.int64), i64s(addr, addr_n), i64s(tnum, addr_n),
+                   f32s(scratch, scratch_n))
+
+
+# attention_task over bfloat16 / float16 caches (uint16 arrays), behind a C entry point compiled on first use
+# (pk_entry.NARROW_ATTENTION_ENTRY): a model with float32 caches never compiles this second body
+narrow_attention_entry = task_entry(_narrow_attention_c, types.void(*(types.int64,) * 26))
+
+
 ARGMAX_LANES = 16
 
 
@@ -516,7 +540,7 @@ def pick_rows(lp, lf, layer, logits, step, picked, batch):  # type: ignore[no-un
 
 @njit(**OPTS)
 def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scratch, step, tokens, tok_cols,
-            none, flags):  # type: ignore[no-untyped-def]
+            none, flags, entries):  # type: ignore[no-untyped-def]
     layer = task_layer[task]
     t = task_index[task]
     kind = lp[layer, C_KIND]
@@ -571,12 +595,12 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
                 ob[i] = xb[i] * inv * g[i]
         bias = f32s(addr[lp[layer, RMS_BIAS]], n) if lp[layer, RMS_BIAS] >= 0 else none
         linear(xs, batch, k, addr[lp[layer, RMS_W]], tdt[lp[layer, RMS_W]], n0, n0 + cols, out, n, none, bias,
-               scratch[batch * k:])
+               scratch[batch * k:], entries[QUANT_ENTRY])
     elif kind == LINRES:
         x = f32s(addr[lp[layer, LIN_X]], batch * k)
         res = f32s(addr[lp[layer, LIN_RES]], batch * n)
         linear(x, batch, k, addr[lp[layer, LIN_W]], tdt[lp[layer, LIN_W]], n0, n0 + cols, out, n, res, none,
-               scratch[batch * k:])
+               scratch[batch * k:], entries[QUANT_ENTRY])
     elif kind == SILURES:
         gu = f32s(addr[lp[layer, SILU_X]], batch * 2 * k)
         res = f32s(addr[lp[layer, SILU_RES]], batch * n)
@@ -588,7 +612,7 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
             for i in range(kk):
                 ob[i] = fsilu(gb[i]) * gb[kk + i]
         linear(xs, batch, k, addr[lp[layer, SILU_W]], tdt[lp[layer, SILU_W]], n0, n0 + cols, out, n, res, none,
-               scratch[batch * k:])
+               scratch[batch * k:], entries[QUANT_ENTRY])
     elif kind == ATTN:
         qkv = f32s(addr[lp[layer, ATT_QKV]], tnum[lp[layer, ATT_QKV]])
         cos = f32s(addr[lp[layer, ATT_COS]], tnum[lp[layer, ATT_COS]])
@@ -597,9 +621,13 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
         if tdt[kci] == F32:
             attention_task(layer, t, qkv, f32s(addr[kci], tnum[kci]), f32s(addr[vci], tnum[vci]), F32, step, cos,
                            sin, out, n, lp, addr, tnum, scratch)
-        else:  # bfloat16 / float16 bits (the kernel checked both caches share one dtype)
-            attention_task(layer, t, qkv, u16s(addr[kci], tnum[kci]), u16s(addr[vci], tnum[vci]), tdt[kci], step,
-                           cos, sin, out, n, lp, addr, tnum, scratch)
+        elif entries[NARROW_ATTENTION_ENTRY] != 0:  # bfloat16 / float16 bits (both caches: one dtype)
+            qi, ci, si = lp[layer, ATT_QKV], lp[layer, ATT_COS], lp[layer, ATT_SIN]
+            call_c(entries[NARROW_ATTENTION_ENTRY], (
+                layer, t, addr[qi], tnum[qi], addr[kci], tnum[kci], addr[vci], tnum[vci], tdt[kci], step.ctypes.data,
+                step.shape[0], addr[ci], tnum[ci], addr[si], tnum[si], out.ctypes.data, out.shape[0], n,
+                lp.ctypes.data, lp.shape[0], lp.shape[1], addr.ctypes.data, addr.shape[0], tnum.ctypes.data,
+                scratch.ctypes.data, scratch.shape[0]))
     else:  # ALLRED, ALLGAT: pk_comm's thread runs the collective on the layer's buffers; this task waits for it
         communicate(layer, flags)
 
