@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--backend", default="auto")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="weights dtype in memory (default: as stored)")
+    p.add_argument("--prompt-dtype", choices=["bfloat16"], help="round the prompt's activations to bf16 and multiply "
+                   "in bf16, as transformers and llama.cpp do (bf16 weights: --dtype bfloat16)")
     p.add_argument("--prompt", help=f"text, when the model has a tokenizer (default {DEFAULT_QUESTION!r} for a "
                    f"chat model, else {DEFAULT_TEXT!r})")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
@@ -297,7 +299,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any] | None, bool]:
     backend = yr.get_backend().value
     dtype = DTYPES.get(args.dtype) if args.dtype else None
     engine = InferEngine(path, backend=backend, dtype=dtype, num_workers=args.num_workers,
-                         num_local_schedulers=args.num_local_schedulers, tp=args.tp if args.tp > 1 else None)
+                         num_local_schedulers=args.num_local_schedulers, tp=args.tp if args.tp > 1 else None,
+                         prompt_dtype=args.prompt_dtype)
     rank = rank_of(args)
     cfg = engine.config
     tokenizer = engine.tokenizer if path.is_file() else load_tokenizer(path)

@@ -66,21 +66,24 @@ def test_the_prefill_matches_transformers_with_bf16_rounded_linears(zoo, pk_back
     model = zoo("llama-gqa", BF16)
     oracle = copy.deepcopy(model.oracle)
     for module in oracle.modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, torch.nn.Linear) and module is not oracle.lm_head:  # float32 logits (rounded_linear)
             module.register_forward_pre_hook(lambda m, args: (args[0].to(BF16).float(),))
             module.register_forward_hook(lambda m, args, out: out.to(BF16).float())
     ids = torch.randint(0, oracle.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = oracle(ids).logits.double()
-    # the logits are bf16 values (the LM head's product is rounded too): a sum accumulated in another order may
-    # round to the neighbouring bf16 value, one ulp at the largest logit
+    # a hidden product accumulated in another order may round to the neighbouring bf16 value: a quarter of a
+    # bf16 ulp at the largest logit bounds what that moves here (measured: 0 with torch's matmul, 0.006 with the
+    # cpu backend's tiles; the float32 prefill 0.2)
     ulp = 2.0 ** (math.floor(math.log2(float(want.abs().max()))) - 7)
-    bound = max(1e-3 * float((want.amax(-1) - want.amin(-1)).min()), ulp)
+    bound = max(1e-3 * float((want.amax(-1) - want.amin(-1)).min()), ulp / 4)
     errors = {}
     for prompt_dtype in ("bfloat16", None):
         engine = InferEngine(model.path, backend=pk_backend, prompt_dtype=prompt_dtype)
         engine.reset_cache(2, 16)  # the logits come back on the backend's device
-        errors[prompt_dtype] = float((engine.forward(ids).cpu().double() - want).abs().max())
+        logits = engine.forward(ids).cpu()
+        errors[prompt_dtype] = float((logits.double() - want).abs().max())
+        assert not torch.equal(logits, logits.bfloat16().float())  # the LM head's logits stay float32: no ties
     assert errors["bfloat16"] <= bound < errors[None], (errors, bound)
 
 

@@ -117,7 +117,7 @@ class InferEngine:
         (bf16 matrices only) rounds each projection's input to bfloat16 and multiplies in bf16, as transformers
         and llama.cpp run a bf16 model's prompt (prefill.rounded_linear): the cpu backend's native bf16 dot
         products where the CPU has them (2-3.5x its float32 projections' rate), else torch's bf16 matmul. The
-        decode keeps float32 activations.
+        LM head's logits and the decode stay float32 (bf16 logits tie, and a tie flipped a greedy pick).
 
         ``tasks_per_layer``: how many tasks each projection is split into (the LM head gets twice as many;
         default: the backend's proposal, see LlamaModel.build_decoder). Fewer, larger tasks cost less per task;

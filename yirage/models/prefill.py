@@ -38,7 +38,9 @@ def rounded_linear(dtype: Any, then: Linear | None) -> Linear:
     llama.cpp run a 16-bit model's prompt: ``x`` rounded to ``dtype`` and handed to ``then`` (a backend's
     projection: the cpu backend's native bf16 dot products) or else multiplied by torch in ``dtype`` (float32
     accumulation); the product rounded to ``dtype`` as a transformers bf16 Linear's, then widened. Weights of
-    another dtype go to ``then`` as they are."""
+    another dtype go to ``then`` as they are. The LM head is not rounded (``prefill_logits`` calls
+    ``linear.unrounded``): bf16 logits are 0.125 apart at 16-32 and tie, and a tie flipped SmolLM2's first
+    answer token (25.36 / 25.26 both 25.25); llama.cpp keeps its logits float32 too."""
 
     def linear(x: Any, weight: Any) -> Any:
         if getattr(weight, "dtype", None) != dtype or x.dim() != 2:
@@ -49,6 +51,7 @@ def rounded_linear(dtype: Any, then: Linear | None) -> Linear:
             out = rounded @ weight.t()
         return out.to(dtype).float()
 
+    linear.unrounded = then  # type: ignore[attr-defined]
     return linear
 
 
@@ -186,4 +189,4 @@ def prefill_logits(c: LlamaConfig, embed: Any, blocks: list[dict[str, Any]], nor
     if last_only:
         x = x[:, -1:]
     x = F.rms_norm(x, (c.hidden,), norm.to(f32), c.eps)
-    return project(x, lm_head, linear)
+    return project(x, lm_head, getattr(linear, "unrounded", linear))  # float32 logits (rounded_linear)
