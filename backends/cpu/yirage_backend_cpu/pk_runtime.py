@@ -340,6 +340,7 @@ class CPUPersistentRuntime:
             weakref.finalize(self, self.comm.close)
         self.last_comm = {"calls": 0, "comm_s": 0.0, "decode_s": 0.0}  # of the last run: the communication share
         self.last_profile: np.ndarray | None = None
+        self.entries: np.ndarray | None = None  # _entries(), on the first run
         self.last_backoff = {"yields": 0, "sleeps": 0}  # of the last run: idle threads that gave their core away
         # every address in the table, re-checked before each run (the kernel checks the user's tensors too)
         self.snapshot = Snapshot([*zip([*names, "step"], self.keep, strict=True)])
@@ -401,11 +402,15 @@ class CPUPersistentRuntime:
 
     def _entries(self) -> np.ndarray:
         """The addresses of the task bodies compiled apart (pk_entry.ENTRY_COUNT), each compiled now if this
-        program needs it (quantized matrices; attention over 16-bit caches), else 0."""
+        program needs it (quantized matrices; attention over 16-bit caches), else 0. Worked out on the first run
+        and kept: a generation stepped one token per call runs this once, not per token."""
+        if self.entries is not None:
+            return self.entries
         entries = np.zeros(ENTRY_COUNT, np.int64)
         entries[QUANT_ENTRY] = quantized_entry(self.tdt)
         narrow = any(row[C_KIND] == ATTN and self.tdt[row[ATT_KC]] != F32 for row in self.lp)
         entries[NARROW_ATTENTION_ENTRY] = int(compiled(narrow_attention_entry).address) if narrow else 0
+        self.entries = entries
         return entries
 
     def value(self, name: str) -> Any:
