@@ -171,3 +171,11 @@ def pk_backend(request: pytest.FixtureRequest) -> str:
     if type(backend).persistent_runtime is yr.Backend.persistent_runtime:
         pytest.skip(f"backend {request.param!r} has no PersistentKernel runtime yet")
     return request.param
+
+
+@pytest.fixture
+def gpu_layout(monkeypatch: pytest.MonkeyPatch):
+    """The opencl backend's PersistentKernel forced into the GPU layout (tests/pocl_layout.py)."""
+    from pocl_layout import force_gpu_layout
+
+    return force_gpu_layout(monkeypatch)

@@ -13,6 +13,7 @@ broken model.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,10 +103,12 @@ def reference_generate(oracle: Any, ids: Any, new_tokens: int = NEW_TOKENS, kv_d
 
             return super().update(rounded(key_states), rounded(value_states), layer_idx, *args, **kw)
 
-    cache = None if kv_dtype is None else RoundingCache(config=oracle.config)
+    # transformers 5 renamed generate's ``past_key_values`` to ``cache`` (the GPU image's older version refuses it)
+    named = "cache" if "cache" in inspect.signature(oracle.forward).parameters else "past_key_values"
+    cache = {} if kv_dtype is None else {named: RoundingCache(config=oracle.config)}
     with torch.no_grad():
         out = oracle.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                              output_logits=True, return_dict_in_generate=True, cache=cache)
+                              output_logits=True, return_dict_in_generate=True, **cache)
     return Reference(ids, out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1).float())
 
 

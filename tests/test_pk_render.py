@@ -16,6 +16,7 @@ import re
 
 import pytest
 import torch
+from pocl_layout import emulated_shuffles
 
 import yirage as yr
 from yirage.codegen.dialects import dialect
@@ -174,16 +175,24 @@ def rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-x[..., h:], x[..., :h]], -1) * sin
 
 
-@pytest.mark.parametrize("seq, positions, d", ((8, (3, 5), 16), (48, (3, 37), 20)))
-def test_rendered_opencl_attention_reads_each_query_heads_own_kv_head(seq, positions, d) -> None:
+@pytest.mark.parametrize("layout", ("cpu", "gpu-tree", "gpu-shuffles"))
+@pytest.mark.parametrize("seq, positions, d", ((8, (3, 5), 16), (48, (3, 37), 20), (80, (0, 79), 64)))
+def test_rendered_opencl_attention_reads_each_query_heads_own_kv_head(seq, positions, d, layout, request) -> None:
     """The rendered OpenCL attention, run on a tiny GQA program (2 rows at ``positions``, 2 KV heads of 3 query
     heads each, caches pre-filled with different values per KV head), equals float64 torch attention: query head h
     reads KV head h // 3 of its own row, at every position up to its step, new K (RoPE'd) and V included. A K/V
     offset that reads another KV head (``kb`` with g = 0 or g + 1) or another row fails here. The second case
     covers the loops that issue cstyle.ILP loads at once (38 positions: 4 rounds and 6 single ones; head_dim 20:
-    2 rounds and 4) and their remainders."""
+    2 rounds and 4) and their remainders. The GPU layouts (``lanes=0``, as CUDA/HIP render it: up to 16 threads a
+    position splitting its columns, several positions a round, summed by a local tree or by shuffles, emulated
+    here) at 80 positions and head_dim 64 (SmolLM2's) also cover positions 0 and 79: one round and a last round
+    that is mostly past ``pos``."""
     if not yr.is_backend_available("opencl"):
         pytest.skip("the opencl backend is not available here")
+    if layout != "cpu":
+        forced = request.getfixturevalue("gpu_layout")
+        if layout == "gpu-shuffles":
+            forced.dialect = emulated_shuffles(True)
     batch, kv, group, hidden, vocab = 2, 2, 3, 32, 40
     qkv_cols = kv * (group + 2) * d
     gen = torch.Generator().manual_seed(31)
@@ -224,6 +233,11 @@ def test_rendered_opencl_attention_reads_each_query_heads_own_kv_head(seq, posit
         assert torch.allclose(pk.read("kc")[b, :, p].double(), keys[:, p], rtol=1e-5, atol=1e-5), f"row {b} new K"
     err = (got - want).abs().amax(-1)  # (batch, kv, group)
     assert bool((err < 1e-4).all()), f"max |attention - float64| per (row, kv head, query head): {err.tolist()}"
+    if layout != "cpu":
+        (source,) = {r.source for r in forced.rendered}
+        attention = source.split("y_attention")[1]
+        assert ("y_shfl_xor(" in attention) == (layout == "gpu-shuffles"), "the scores' lanes sum as the dialect says"
+        assert "int lane = (int)(lid % 4);" in attention if d == 20 else "lid % 16" in attention
 
 
 @pytest.mark.parametrize("vocab", (300, 3001))

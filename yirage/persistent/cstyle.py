@@ -15,14 +15,17 @@ row, every batch row at once (``cstyle_gemv``: wide coalesced loads, warp
 shuffles where the dialect has them); an RMSNorm before a GEMV runs inside
 it (each work-group stages the normalized rows in local memory) where they
 fit, else one work-group per row; attention one work-group per query head
-(its threads split the cached positions, then the head's columns), which
-also rotates the new key and, for float32 caches, stores the new key/value
-itself (16-bit caches: a kernel before it stores them); argmax one
+(slices of up to 16 threads take the cached positions, their lanes split
+each key's columns, several positions in flight a thread; then the head's
+columns), which also rotates the new key and, for float32 caches, stores the
+new key/value itself (16-bit caches: a kernel before it stores them); argmax one
 work-group per row, or per chunk of a long row and then one per row over
 the chunks' partials; sampling one work-item per row. Loops over memory
 issue ``ILP`` loads before using one (a GPU issues in order). The first
 H100 profile of a SmolLM2-shaped decode (launched runtime, per call:
-attention 25 us, RMSNorm 5 us, argmax 74 us, a GEMV 3 us) is why.
+attention 25 us, RMSNorm 5 us, argmax 74 us, a GEMV 3 us) is why; the
+attention's split of positions over lane slices took a decode from 1.39 to
+0.91 ms/token there (benchmark/device_decode.py, 2026-11-27).
 
 The math follows the reference runtime: float32 compute,
 weights widened from bfloat16/float16 as they load, IEEE (no fast math, no
@@ -312,7 +315,8 @@ class _Renderer:
         _, grp, lid = self.ids()
         scale = self.f(1.0 / math.sqrt(d))
         nan_max = "(red[lid + h] > red[lid] || red[lid + h] != red[lid + h]) ? red[lid + h] : red[lid]"
-        body = [  # one work-group per query head: its threads split the positions, then the head's columns
+        lanes = self._score_lanes(d)
+        body = [  # one work-group per query head: slices of its threads split the positions, then the head's columns
             f"{self.d.local} {f32} qs[{d}];", f"{self.d.local} {f32} red[{g}];",
             f"{it} gid = {grp};", f"{it} lid = {lid};",
             f"{it} b = gid / {kv * grp_size};", f"{it} r = gid - b * {kv * grp_size};",
@@ -330,17 +334,7 @@ class _Renderer:
             f"{it} kb = (b * {kv} + g) * {seq * d};",
             f"{it} sb = gid * {seq};",
             f"{f32} mx = {self.f(-math.inf)};",
-            f"for ({it} s = lid; s <= pos; s += {g}) {{",
-            f"    {f32} acc = {self.f(0)};",
-            *(["    if (s < pos) {"] if fused else []),
-            *(f"    {line}" for line in ilp_loop(it, "c", "0", d, 1,
-                                                 lambda u, c: [f"{f32} k{u} = READ(kc, kb + s * {d} + {c});"],
-                                                 lambda u, c: [f"acc = acc + qs[{c}] * k{u};"])),
-            *([f"    }} else {{ for (int c = 0; c < {d}; c++) acc = acc + qs[c] * ks[c]; }}"] if fused else []),
-            f"    acc = acc * {scale};",
-            "    sc[sb + s] = acc;",
-            "    mx = (acc > mx || acc != acc) ? acc : mx;",
-            "}",
+            *self._scores(d, lanes, scale, fused),
             "red[lid] = mx;",
             *self.tree(g, [f"red[lid] = {nan_max};"]),
             "mx = red[0];",
@@ -351,15 +345,18 @@ class _Renderer:
             "red[lid] = tot;",
             *self.tree(g, ["red[lid] = red[lid] + red[lid + h];"]),
             "tot = red[0];",
-            self.d.barrier_global,  # every thread's exp(score) stored before any thread reads them all
+            # each thread turns the exp(score)s it stored into probabilities (what softmax returns) once, so the
+            # columns' loop below multiplies, with no division per position and column
+            f"for ({it} s = lid; s <= pos; s += {g}) sc[sb + s] = sc[sb + s] / tot;",
+            self.d.barrier_global,  # every thread's probabilities stored before any thread reads them all
             f"{it} ob = b * {n_out} + (g * {grp_size} + j) * {d};",
             f"for ({it} c = lid; c < {d}; c += {g}) {{",
             f"    {f32} o = {self.f(0)};",
-            *(f"    {line}" for line in ilp_loop(
-                it, "s", "0", "pos" if fused else "pos + 1", 1,
-                lambda u, s: [f"{f32} p{u} = sc[sb + {s}];", f"{f32} v{u} = READ(vc, kb + {s} * {d} + c);"],
-                lambda u, s: [f"o = o + (p{u} / tot) * v{u};"], ILP // 2)),
-            *(["    o = o + (sc[sb + pos] / tot) * vs[c];"] if fused else []),
+            *(f"    {line}" for line in self._rounds(
+                "s", "pos + 1", 1, 2 * ILP,
+                lambda u, s: [f"{f32} p{u} = {s} <= pos ? sc[sb + {s}] : {self.f(0)};",
+                              f"{f32} v{u} = {self._cached('vc', 'vs', s, 'c', d, fused)};"],
+                lambda u, s: [f"if ({s} <= pos) o = o + p{u} * v{u};"])),
             "    out[ob + c] = o;",
             "}",
             *([f"if (j == {grp_size - 1}) {{",
@@ -372,6 +369,79 @@ class _Renderer:
                   ("cos", cos, False), ("sin", sin, False)]
         launches.append(self.kernel("y_attention", params, body, heads, g, i))
         return launches
+
+    def _score_lanes(self, d: int) -> int:
+        """Threads per cached position in the attention's scores: 1 on CPU devices (``lanes`` > 0: a work-item is a
+        loop there); else up to 16 that split the key's columns (coalesced loads, several positions in flight per
+        thread, summed by shuffles or a local tree). 64 threads, one a position, took 25 us a call on an H100 at
+        80 positions: each read its key row 8 loads at a time."""
+        if self.lanes:
+            return 1
+        width = 1
+        while width < 16 and d % (2 * width) == 0 and self.group % (2 * width) == 0:
+            width *= 2
+        return width
+
+    def _cached(self, cache: str, new: str, s: str, c: str, d: int, fused: bool) -> str:
+        """Column ``c`` of position ``s`` of a cache, 0 past ``pos``; with float32 caches fused, position ``pos``
+        is still in local ``new`` (ks / vs), stored into the cache at the kernel's end."""
+        load = f"READ({cache}, kb + {s} * {d} + {c})"
+        if fused:
+            return f"({s} < pos ? {load} : ({s} == pos ? {new}[{c}] : {self.f(0)}))"
+        return f"({s} <= pos ? {load} : {self.f(0)})"
+
+    def _rounds(self, var: str, count: str, stride: int | str, per: int, values, fold) -> list[str]:  # noqa: ANN001
+        """``for (var = 0; var < count; var += stride)`` as rounds of ``per`` iterations, each round's ``values``
+        (loads) before its ``fold``s in iteration order: the plain loop's result, bit for bit. Past ``count`` the
+        loads are predicated off, so a short tail costs one round, not one round trip per iteration; every thread
+        of a work-group runs the same number of rounds when ``count`` is the same for all (shuffles need that)."""
+        it = self.it
+        lines = [f"for ({it} {var} = 0; {var} < {count}; {var} += {per} * {stride}) {{"]
+        lines += [f"    {it} {var}_{u} = {var} + {u} * {stride};" for u in range(per)]
+        for u in range(per):
+            lines += [f"    {line}" for line in values(u, f"{var}_{u}")]
+        for u in range(per):
+            lines += [f"    {line}" for line in fold(u, f"{var}_{u}")]
+        return lines + ["}"]
+
+    def _scores(self, d: int, lanes: int, scale: str, fused: bool) -> list[str]:
+        """Each position's scaled q.k into ``sc`` and the thread's running max into ``mx``. Slice ``q`` of
+        ``lanes`` threads takes positions q, q + slices, ...; its lanes split the columns (lane + m * lanes)
+        and sum their partials by a butterfly of shuffles, or a local-memory tree where the dialect has none:
+        either way every lane ends with the same sum, in the same order."""
+        it, f32, g = self.it, self.f32, self.group
+        slices, cols = g // lanes, d // lanes
+        per = max(1, 2 * ILP // cols)  # positions a round: about 16 loads in flight a thread
+        shuffles = lanes > 1 and bool(self.d.shuffle_xor) and lanes <= self.d.shuffle_width
+
+        def values(u: int, s: str) -> list[str]:
+            return [f"{f32} k{u}_{m} = {self._cached('kc', 'ks', s, f'lane + {m * lanes}', d, fused)};"
+                    for m in range(cols)]
+
+        def fold(u: int, s: str) -> list[str]:
+            return [f"{f32} a{u} = {self.f(0)};", *(f"a{u} = a{u} + qs[lane + {m * lanes}] * k{u}_{m};"
+                                                   for m in range(cols))]
+
+        lines = [f"int lane = (int)(lid % {lanes});", f"{it} q = lid / {lanes};"]
+        if lanes > 1 and not shuffles:
+            lines.append(f"{self.d.local} {f32} part[{per * g}];")
+        body = self._rounds("s", "pos + 1", slices, per, lambda u, s: values(u, f"(q + {s})"),
+                            lambda u, s: fold(u, f"(q + {s})"))
+        reduce: list[str] = []
+        if shuffles:
+            reduce = [f"for (int m = {lanes // 2}; m > 0; m >>= 1) {{",
+                      *(f"    a{u} = a{u} + {self.d.shuffle_xor.format(v=f'a{u}', m='m')};" for u in range(per)),
+                      "}"]
+        elif lanes > 1:
+            reduce = [*(f"part[{u * g} + lid] = a{u};" for u in range(per)), self.d.barrier,
+                      f"for (int h = {lanes // 2}; h > 0; h >>= 1) {{", "    if (lane < h) {",
+                      *(f"        part[{u * g} + lid] = part[{u * g} + lid] + part[{u * g} + lid + h];"
+                        for u in range(per)),
+                      "    }", f"    {self.d.barrier}", "}",
+                      *(f"a{u} = part[{u * g} + lid - lane];" for u in range(per)), self.d.barrier]
+        keep = [f"if (s_{u} + q <= pos) {{ {f32} a = a{u} * {scale}; if (lane == 0) sc[sb + s_{u} + q] = a; "
+                "mx = (a > mx || a != a) ? a : mx; }" for u in range(per)]
+        return lines + body[:-1] + [f"    {line}" for line in reduce + keep] + ["}"]
 
     def _new_kv(self, kv: int, grp_size: int, d: int, seq: int, width: int) -> list[str]:
         """Column ``c`` of this row's new key (rotated) and value into local ``ks``/``vs``. The work-group of the KV
