@@ -36,6 +36,8 @@ def warm(dtype: str) -> float:
     tokens, step = torch.zeros(1, 16, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
     start = time.perf_counter()
     model.build_decoder(step, tokens, backend="cpu")(4)
+    if dtype == "float32":  # the sampling picker (GenerationConfig(do_sample=True)), compiled apart
+        model.build_decoder(step, tokens, backend="cpu", sampling={"temperature": 0.8, "top_k": 8, "seed": 1})(1)
     # the prefill's projections (Backend.prompt_linear: one numba parallel region over W's parts)
     linear = resolve("cpu", "prewarm").prompt_linear()
     ids = torch.zeros(1, 4, dtype=torch.int64)

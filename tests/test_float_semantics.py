@@ -250,6 +250,34 @@ def test_sample_row_never_draws_nan_and_handles_infinities() -> None:
     assert draws([NAN, 2.0, 1.0], top_k=1) == {1}
 
 
+def test_the_sampling_picker_runs_behind_its_entry_point_and_argmax_needs_none() -> None:
+    """pk_tasks.pick_rows samples through sample_entry (compiled apart, by address): the draws sample_row makes
+    with the position-seeded state; with no entry point (0) a sampling layer picks -1, never a call to address
+    0; an argmax layer needs no entry point."""
+    from yirage_backend_cpu.pk_entry import compiled
+
+    batch, vocab, layer = 3, 40, 0
+    lp, lf = np.zeros((1, 32), np.int64), np.zeros((1, 4), np.float64)
+    lp[layer, pk_tasks.C_KIND], lp[layer, pk_tasks.C_K] = pk_tasks.SAMPLE, vocab
+    lp[layer, pk_tasks.C_SEED], lp[layer, pk_tasks.C_TOP_K] = 7, 11
+    lf[layer, pk_tasks.F_TEMPERATURE], lf[layer, pk_tasks.F_TOP_P] = 0.7, 0.9
+    logits = np.random.default_rng(3).standard_normal(batch * vocab).astype(np.float32)
+    step = np.array([4, 9, 2], np.int64)
+
+    def picks(address: int) -> list[int]:
+        picked = np.full(batch, -5, np.int64)
+        pk_tasks.pick_rows(lp, lf, layer, logits, step, picked, batch, address)
+        return picked.tolist()
+
+    want = [int(pk_tasks.sample_row(logits, b * vocab, vocab, 0.7, 11, 0.9,
+                                    np.uint64(7 * 1000003 + int(step[b]) * 7919 + b * 104729 + 1)))
+            for b in range(batch)]
+    assert picks(int(compiled(pk_tasks.sample_entry).address)) == want
+    assert picks(0) == [-1] * batch
+    lp[layer, pk_tasks.C_KIND] = pk_tasks.ARGMAX
+    assert picks(0) == [int(np.argmax(logits[b * vocab:(b + 1) * vocab])) for b in range(batch)]
+
+
 def test_gemv_tile_propagates_special_values_like_torch() -> None:
     k, n = 67, 9
     gen = torch.Generator().manual_seed(5)

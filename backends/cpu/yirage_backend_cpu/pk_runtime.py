@@ -44,7 +44,14 @@ from yirage.persistent.specs import FloatCol, IntCol
 from yirage_backend_cpu.atomics import atomic_add, atomic_load, atomic_store, cycle_counter
 from yirage_backend_cpu.pk_calls import call_decode
 from yirage_backend_cpu.pk_comm import ERR_COMM, ERR_PIPE, FLAG_SLOTS, Communicator
-from yirage_backend_cpu.pk_entry import ENTRY_COUNT, NARROW_ATTENTION_ENTRY, QUANT_ENTRY, compiled, task_frame
+from yirage_backend_cpu.pk_entry import (
+    ENTRY_COUNT,
+    NARROW_ATTENTION_ENTRY,
+    QUANT_ENTRY,
+    SAMPLE_ENTRY,
+    compiled,
+    task_frame,
+)
 from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q4_BYTES, Q8_0, Q8_0G, Q8_BYTES, dtype_code, quantized_entry
 from yirage_backend_cpu.pk_split import attention_chunks, expand, fold_profile
 from yirage_backend_cpu.pk_tasks import (
@@ -70,6 +77,7 @@ from yirage_backend_cpu.pk_tasks import (
     I64,
     OPTS,
     RUNTIME_COLUMNS,
+    SAMPLE,
     STOP,
     TASKS,
     check_compiled_layout,
@@ -77,6 +85,7 @@ from yirage_backend_cpu.pk_tasks import (
     i64s,
     narrow_attention_entry,
     pick_rows,
+    sample_entry,
 )
 from yirage_backend_cpu.pk_team import (
     ABORT,
@@ -402,14 +411,16 @@ class CPUPersistentRuntime:
 
     def _entries(self) -> np.ndarray:
         """The addresses of the task bodies compiled apart (pk_entry.ENTRY_COUNT), each compiled now if this
-        program needs it (quantized matrices; attention over 16-bit caches), else 0. Worked out on the first run
-        and kept: a generation stepped one token per call runs this once, not per token."""
+        program needs it (quantized matrices; attention over 16-bit caches; a sampling picker), else 0. Worked out
+        on the first run and kept: a generation stepped one token per call runs this once, not per token."""
         if self.entries is not None:
             return self.entries
         entries = np.zeros(ENTRY_COUNT, np.int64)
         entries[QUANT_ENTRY] = quantized_entry(self.tdt)
         narrow = any(row[C_KIND] == ATTN and self.tdt[row[ATT_KC]] != F32 for row in self.lp)
         entries[NARROW_ATTENTION_ENTRY] = int(compiled(narrow_attention_entry).address) if narrow else 0
+        samples = any(row[C_KIND] == SAMPLE for row in self.lp)
+        entries[SAMPLE_ENTRY] = int(compiled(sample_entry).address) if samples else 0
         self.entries = entries
         return entries
 
@@ -423,7 +434,7 @@ class CPUPersistentRuntime:
         x, out = self.values[picker.inputs["input"].name], self.values[picker.output.name]
         x.copy_(logits)
         pick_rows(self.lp, self.lf, picker.index, x.view(-1).numpy(), self.program.step.numpy(),
-                  out.view(-1).numpy(), self.program.batch)
+                  out.view(-1).numpy(), self.program.batch, self._entries()[SAMPLE_ENTRY])
         return out[:, 0]
 
     def stop(self) -> None:

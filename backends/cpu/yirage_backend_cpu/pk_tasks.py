@@ -55,7 +55,15 @@ from yirage_backend_cpu.kernel_lib import (
     rfma,
 )
 from yirage_backend_cpu.pk_comm import communicate
-from yirage_backend_cpu.pk_entry import NARROW_ATTENTION_ENTRY, QUANT_ENTRY, call_c, recompile, run_task, task_entry
+from yirage_backend_cpu.pk_entry import (
+    NARROW_ATTENTION_ENTRY,
+    QUANT_ENTRY,
+    SAMPLE_ENTRY,
+    call_c,
+    recompile,
+    run_task,
+    task_entry,
+)
 from yirage_backend_cpu.pk_quant import dequantize_row, finish_rows, is_quantized, row_bytes
 from yirage_backend_cpu.sources import tie_caches_to_sources
 
@@ -524,18 +532,40 @@ def sample_row(logits, base, vocab, temperature, top_k, top_p, state):  # type: 
 
 
 @njit(**OPTS)
-def pick_rows(lp, lf, layer, logits, step, picked, batch):  # type: ignore[no-untyped-def]
+def pick_rows(lp, lf, layer, logits, step, picked, batch, sample):  # type: ignore[no-untyped-def]
     """The picker layer ``layer`` (argmax or sampling) on every row of ``logits`` at positions ``step``: the decode
-    step's last task, and ``CPUPersistentRuntime.pick`` (a prompt's first token) alike."""
+    step's last task, and ``CPUPersistentRuntime.pick`` (a prompt's first token) alike. Sampling runs behind
+    ``sample``, the address of ``sample_entry`` (compiled apart, only for a program that samples: its sort and
+    draws took about 3 s of a greedy model's cold compile); with 0 there a sampling layer picks -1, never a call
+    to address 0."""
     k = lp[layer, C_K]
-    for b in range(batch):
-        if lp[layer, C_KIND] == ARGMAX:
+    if lp[layer, C_KIND] == ARGMAX:
+        for b in range(batch):
             picked[b] = argmax_row(logits, b * k, k)
-        else:
-            # seeded by position, so a run repeats whatever ran before it
-            state = np.uint64(lp[layer, C_SEED] * 1000003 + step[b] * 7919 + b * 104729 + 1)
-            picked[b] = sample_row(logits, b * k, k, lf[layer, F_TEMPERATURE], lp[layer, C_TOP_K],
-                                   lf[layer, F_TOP_P], state)
+    elif sample != 0:
+        call_c(sample, (lp.ctypes.data, lp.shape[0], lp.shape[1], lf.ctypes.data, lf.shape[0], lf.shape[1], layer,
+                        logits.ctypes.data, logits.shape[0], step.ctypes.data, step.shape[0], picked.ctypes.data,
+                        picked.shape[0], batch))
+    else:
+        for b in range(batch):
+            picked[b] = -1
+
+
+def _sample_rows_c(lp, lp_rows, lp_cols, lf, lf_rows, lf_cols, layer, logits, logits_n, step, step_n, picked,
+                   picked_n, batch):  # type: ignore[no-untyped-def]
+    params = numba.carray(as_pointer(lp), (lp_rows, lp_cols), np.int64)
+    floats = numba.carray(as_pointer(lf), (lf_rows, lf_cols), np.float64)
+    x, at, out = f32s(logits, logits_n), i64s(step, step_n), i64s(picked, picked_n)
+    k = params[layer, C_K]
+    for b in range(batch):
+        # seeded by position, so a run repeats whatever ran before it
+        state = np.uint64(params[layer, C_SEED] * 1000003 + at[b] * 7919 + b * 104729 + 1)
+        out[b] = sample_row(x, b * k, k, floats[layer, F_TEMPERATURE], params[layer, C_TOP_K],
+                            floats[layer, F_TOP_P], state)
+
+
+# the sampling picker behind a C entry point compiled on first use (pk_entry.SAMPLE_ENTRY)
+sample_entry = task_entry(_sample_rows_c, types.void(*(types.int64,) * 14))
 
 
 @njit(**OPTS)
@@ -550,7 +580,7 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
     k = lp[layer, C_K]
     if kind == ARGMAX or kind == SAMPLE:
         pick_rows(lp, lf, layer, f32s(addr[lp[layer, PICK_X]], tnum[lp[layer, PICK_X]]), step,
-                  i64s(addr[out_id], batch), batch)
+                  i64s(addr[out_id], batch), batch, entries[SAMPLE_ENTRY])
         return
     out = f32s(addr[out_id], tnum[out_id])
     cols = n // tasks
