@@ -11,8 +11,9 @@ GPU; CI runs that part. With a GPU:
    cuda megakernel (``YIRAGE_CUDA_PK_RUNTIME=megakernel``) and a short megakernel decode under compute-sanitizer's
    memcheck and racecheck (scripts/sanitize_decode.py; a sanitizer part that runs out of time does not fail);
 2. alone, timed: decode of a SmolLM2-shaped random model on each GPU backend beside Hugging Face eager on the
-   same GPU, greedy tokens compared (benchmark/device_decode.py; the cuda megakernel last, rows written as each
-   finishes, so a hang costs only the rows after it; one HF timing per dtype serves every row),
+   same GPU, greedy tokens compared (benchmark/device_decode.py; cuda also without the staged GEMVs' weight
+   prefetch, ``YIRAGE_PK_PREFETCH=0``, to compare; the cuda megakernel last, rows written as each finishes, so a
+   hang costs only the rows after it; one HF timing per dtype serves every row),
    Mirage-style kernel graphs against torch eager (benchmark/device_graphs.py), the cost of one grid-wide barrier
    of the megakernel by grid size (benchmark/grid_barrier.py, optional), a seeded sampled decode on cuda beside HF
    sampling (optional), and, where the budget is left,
@@ -215,7 +216,8 @@ def timed_parts(out: Path) -> list[Part]:
     work-group sizes, cuBLAS or the generated product; 8 s of search per graph; rows print as they finish)."""
     return [
         Part("decode-vs-hf", [PY, "benchmark/device_decode.py", "--backends", "cuda", "triton",
-                              f"cuda:{MEGAKERNEL[0]}={MEGAKERNEL[1]}", "--json", str(out / "decode.json"),
+                              "cuda:YIRAGE_PK_PREFETCH=0", f"cuda:{MEGAKERNEL[0]}={MEGAKERNEL[1]}", "--json",
+                              str(out / "decode.json"),
                               "--profile", str(out / "profile")], 240),
         Part("graphs-vs-torch", [PY, "benchmark/device_graphs.py", "--backends", "cuda", "triton", "--json",
                                  str(out / "graphs.json"), "--profile", str(out / "profile")], 150),

@@ -123,6 +123,7 @@ def test_gpu_layout_gemv_matches_float64_on_pocl(gpu_layout, shape, dtype, varia
     norms, silu = fits(h, 2 * i) + fits(h, v), fits(i, h)
     assert ("y_rmsnorm" in source) == (norms < 2) and ("y_silu_mul" in source) != silu, heads
     assert len(staged) == norms + silu, heads
+    assert ("prefetch(" in source) == bool(staged), "a staged GEMV asks for its weight rows before its stage"
     assert pk(2) == 2
     check_gemvs(pk)
 

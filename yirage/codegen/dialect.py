@@ -95,6 +95,9 @@ class Dialect:
     #: dtype -> its wide load (GEMV weights and activations: one 16-byte load instead of 4 or 8 scalar ones)
     wide_loads: Mapping[str, WideLoad] = field(default_factory=dict)
     aligned: str = ""  # true when pointer {p} is a multiple of {n} bytes (needed by a WideLoad with align > 0)
+    #: a statement that asks for the cache line holding element {i} of global buffer {p} to be fetched (into L2 on
+    #: NVIDIA), a hint with no effect on any value; "" = none
+    prefetch: str = ""
 
     @property
     def functions(self) -> frozenset[str]:

@@ -38,4 +38,5 @@ DIALECT = Dialect(
     narrow_helpers={"float16": "#include <cuda_fp16.h>", "bfloat16": "#include <cuda_bf16.h>"},
     shuffle_xor="__shfl_xor_sync(0xffffffffu, {v}, {m})", shuffle_width=32,
     wide_loads=WIDE_LOADS, aligned="(((unsigned long long)({p})) % {n} == 0)",
+    prefetch='asm volatile("prefetch.global.L2 [%0];" :: "l"({p} + {i}))',
 )

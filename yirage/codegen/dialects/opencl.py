@@ -32,5 +32,5 @@ DIALECT = Dialect(
             "bfloat16": ("ushort", "as_float((uint){p}[{i}] << 16)", "{p}[{i}] = y_to_bf16({v})")},
     narrow_helpers={"bfloat16": "inline ushort y_to_bf16(float f) { uint u = as_uint(f); return f != f ? "
                                 "(ushort)0x7fc0 : (ushort)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }"},
-    wide_loads=WIDE_LOADS,
+    wide_loads=WIDE_LOADS, prefetch="prefetch((const __global uchar*)({p} + {i}), 1)",
 )
