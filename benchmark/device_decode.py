@@ -185,33 +185,32 @@ def yirage_run(path: Path, backend: str, ids: Any, rounds: int, profile: Path | 
             "device": str(engine.model.device)}
 
 
-def variant(spec: str) -> tuple[str, tuple[str, str] | None]:
-    """``cuda:YIRAGE_CUDA_PK_RUNTIME=megakernel`` -> the backend and the environment setting its run needs."""
-    name, _, setting = spec.partition(":")
-    if not setting:
-        return name, None
-    key, sep, value = setting.partition("=")
-    if not sep or not key:
-        raise SystemExit(f"--backends {spec!r}: write a variant as BACKEND:VARIABLE=VALUE")
-    return name, (key, value)
+def variant(spec: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """``cuda:YIRAGE_CUDA_PK_RUNTIME=megakernel,YIRAGE_CUDA_GRID_SYNC=tree`` -> the backend and the environment
+    settings its run needs."""
+    name, _, settings = spec.partition(":")
+    pairs = []
+    for setting in filter(None, settings.split(",")):
+        key, sep, value = setting.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--backends {spec!r}: write a variant as BACKEND:VARIABLE=VALUE[,VARIABLE=VALUE...]")
+        pairs.append((key, value))
+    return name, tuple(pairs)
 
 
 @contextlib.contextmanager
-def environment(setting: tuple[str, str] | None) -> Iterator[None]:
-    """``setting`` in os.environ for the block (the runtime reads it when the engine builds its decoder)."""
-    if setting is None:
-        yield
-        return
-    key, value = setting
-    before = os.environ.get(key)
-    os.environ[key] = value
+def environment(settings: tuple[tuple[str, str], ...]) -> Iterator[None]:
+    """``settings`` in os.environ for the block (the runtime reads them when the engine builds its decoder)."""
+    before = {key: os.environ.get(key) for key, _ in settings}
+    os.environ.update(dict(settings))
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", nargs="+", required=True,
-                        help="yirage backends to decode on; BACKEND:VARIABLE=VALUE runs one with an environment "
-                             "setting (cuda:YIRAGE_CUDA_PK_RUNTIME=megakernel)")
+                        help="yirage backends to decode on; BACKEND:VARIABLE=VALUE[,VARIABLE=VALUE] runs one with "
+                             "environment settings (cuda:YIRAGE_CUDA_PK_RUNTIME=megakernel,YIRAGE_CUDA_GRID_SYNC=tree)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=3, help="timed generates per implementation (median)")
     parser.add_argument("--shape", choices=list(SHAPES), default="smollm2", help="the random model's shape")

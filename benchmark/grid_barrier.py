@@ -23,41 +23,6 @@ import sys
 import time
 from typing import Any
 
-LEAVES = 32
-
-TREE_SYNC = f"#define Y_LEAVES {LEAVES}u\n" + """\
-// two levels: block b arrives on leaf b % L (its own 128-byte line); the last of a leaf arrives on the top counter;
-// the last there resets it and advances the generation every waiting block watches
-__device__ __forceinline__ void y_grid_sync_tree(unsigned int* bar) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        volatile unsigned int* generation = bar;
-        unsigned int seen = *generation;
-        unsigned int leaves = gridDim.x < Y_LEAVES ? gridDim.x : Y_LEAVES;
-        unsigned int leaf = blockIdx.x % leaves;
-        unsigned int members = gridDim.x / leaves + (leaf < gridDim.x % leaves ? 1u : 0u);
-        unsigned int* counter = bar + 32u * (leaf + 1u);
-        __threadfence();
-        bool last = false;
-        if (atomicAdd(counter, 1u) == members - 1u) {
-            atomicExch(counter, 0u);
-            __threadfence();  // the leaf's reset lands before the top arrival that may release the grid
-            if (atomicAdd(bar + 1, 1u) == leaves - 1u) {
-                atomicExch(bar + 1, 0u);
-                __threadfence();
-                atomicAdd(bar, 1u);
-                last = true;
-            }
-        }
-        if (!last) {
-            while (*generation == seen) __nanosleep(32);
-        }
-        __threadfence();
-    }
-    __syncthreads();
-}
-"""
-
 #: the loop each barrier is timed in (one kernel per barrier function: no call through a pointer in the loop)
 LOOP = """
 extern "C" __global__ void __launch_bounds__(64) NAME(unsigned int* bar, unsigned int* seen, long long n) {
@@ -77,10 +42,10 @@ KERNELS = {"y_flat": "y_grid_sync", "y_tree": "y_grid_sync_tree"}  # kernel -> t
 
 def source() -> str:
     """The megakernel's own barrier, the two-level one, and a kernel looping over each."""
-    from yirage_backend_cuda.megakernel import GRID_SYNC
+    from yirage_backend_cuda.megakernel import GRID_SYNC, GRID_SYNC_TREE
 
     loops = "".join(LOOP.replace("NAME", name).replace("SYNC", sync) for name, sync in KERNELS.items())
-    return GRID_SYNC + "\n" + TREE_SYNC + loops
+    return GRID_SYNC + "\n" + GRID_SYNC_TREE + loops
 
 
 def time_barriers(module: Any, kernel: str, blocks: int, barriers: int) -> tuple[float, bool]:
@@ -90,10 +55,11 @@ def time_barriers(module: Any, kernel: str, blocks: int, barriers: int) -> tuple
 
     import torch
     from yirage_backend_cuda.driver import call
+    from yirage_backend_cuda.megakernel import GRID_SYNCS
 
     driver = module.driver
     fn = module.launchable(kernel, blocks, 64, "benchmark/grid_barrier.py")
-    bar = torch.zeros(32 * (LEAVES + 1), dtype=torch.int32, device="cuda")
+    bar = torch.zeros(GRID_SYNCS["tree"][2], dtype=torch.int32, device="cuda")
     seen = torch.zeros(4, dtype=torch.int32, device="cuda")
     stream = torch.cuda.current_stream().cuda_stream
     times, ok = [], True

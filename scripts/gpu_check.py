@@ -11,11 +11,13 @@ GPU; CI runs that part. With a GPU:
    cuda megakernel (``YIRAGE_CUDA_PK_RUNTIME=megakernel``) and a short megakernel decode under compute-sanitizer's
    memcheck and racecheck (scripts/sanitize_decode.py; a sanitizer part that runs out of time does not fail);
 2. alone, timed: decode of a SmolLM2-shaped random model on each GPU backend beside Hugging Face eager on the
-   same GPU, greedy tokens compared (benchmark/device_decode.py; cuda also without the staged GEMVs' weight
-   prefetch, ``YIRAGE_PK_PREFETCH=0``, to compare; the cuda megakernel last, rows written as each finishes, so a
-   hang costs only the rows after it; one HF timing per dtype serves every row),
-   Mirage-style kernel graphs against torch eager (benchmark/device_graphs.py), the cost of one grid-wide barrier
-   of the megakernel by grid size (benchmark/grid_barrier.py, optional), a seeded sampled decode on cuda beside HF
+   same GPU, greedy tokens compared (benchmark/device_decode.py; the cuda megakernel last, rows written as each
+   finishes, so a hang costs only the rows after it; one HF timing per dtype serves every row),
+   Mirage-style kernel graphs against torch eager (benchmark/device_graphs.py), then (optional) the same decode
+   beside its variants in one process: cuda without the staged GEMVs' weight prefetch (``YIRAGE_PK_PREFETCH=0``)
+   and the megakernel with its flat and its two-level grid barrier (``YIRAGE_CUDA_GRID_SYNC=tree``), the cost of
+   one grid-wide barrier of the megakernel by grid size (benchmark/grid_barrier.py, optional), a seeded sampled
+   decode on cuda beside HF
    sampling (optional), and, where the budget is left,
    Llama-3.2-1B's shape in bfloat16 with its share of the read bandwidth measured in the same run (an optional
    part: skipped or cut by the budget, it does not fail the check), then ``g.superoptimize()`` on cuda over the
@@ -209,18 +211,22 @@ MEGAKERNEL = ("YIRAGE_CUDA_PK_RUNTIME", "megakernel")
 
 def timed_parts(out: Path) -> list[Part]:
     """The decodes beside HF eager (the megakernel last; the rows before it are kept if it hangs),
-    the kernel graphs beside torch, then (optional, where the budget is left) the megakernel's grid-barrier cost, a
+    the kernel graphs beside torch, then (optional, where the budget is left) the decode's variants (the weight
+    prefetch off, the megakernel's two-level barrier), the megakernel's grid-barrier cost, a
     seeded sampled decode (the sampler: one work-item per row on the C-family runtimes) and Llama-3.2-1B's shape
     in bfloat16 on both cuda runtimes with its share of the measured read bandwidth (issue 27's goal), and
     ``g.superoptimize()`` on cuda over the 14 graphs (fusion plans, then the knobs: each kernel's language, row
     work-group sizes, cuBLAS or the generated product; 8 s of search per graph; rows print as they finish)."""
     return [
         Part("decode-vs-hf", [PY, "benchmark/device_decode.py", "--backends", "cuda", "triton",
-                              "cuda:YIRAGE_PK_PREFETCH=0", f"cuda:{MEGAKERNEL[0]}={MEGAKERNEL[1]}", "--json",
-                              str(out / "decode.json"),
+                              f"cuda:{MEGAKERNEL[0]}={MEGAKERNEL[1]}", "--json", str(out / "decode.json"),
                               "--profile", str(out / "profile")], 240),
         Part("graphs-vs-torch", [PY, "benchmark/device_graphs.py", "--backends", "cuda", "triton", "--json",
                                  str(out / "graphs.json"), "--profile", str(out / "profile")], 150),
+        Part("decode-variants", [PY, "benchmark/device_decode.py", "--backends", "cuda", "cuda:YIRAGE_PK_PREFETCH=0",
+                                 f"cuda:{MEGAKERNEL[0]}={MEGAKERNEL[1]}",
+                                 f"cuda:{MEGAKERNEL[0]}={MEGAKERNEL[1]},YIRAGE_CUDA_GRID_SYNC=tree", "--json",
+                                 str(out / "decode-variants.json")], 150, optional=True),
         Part("grid-barrier", [PY, "benchmark/grid_barrier.py", "--json", str(out / "grid-barrier.json")], 60,
              optional=True),
         Part("decode-sampled", [PY, "benchmark/device_decode.py", "--sample", "--dtypes", "bfloat16", "--rounds", "1",
@@ -242,7 +248,7 @@ def write_summary(out: Path, header: str, parts: list[Part], note: str) -> str:
     for p in parts:
         if p.status != "ok" and p.failures:
             lines += ["", f"{p.name} (full log: {p.log}):", *(f"    {line}" for line in p.failures)]
-    for extra in ("decode.json", "graphs.json", "grid-barrier.json", "decode-sampled.json",
+    for extra in ("decode.json", "graphs.json", "decode-variants.json", "grid-barrier.json", "decode-sampled.json",
                   "decode-llama1b.json"):
         if (out / extra).exists():
             lines += ["", f"{extra}:", "```", (out / extra).read_text().strip()[:6000], "```"]

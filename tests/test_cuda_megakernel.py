@@ -146,6 +146,25 @@ def test_every_task_call_names_a_function_with_its_arguments_and_a_barrier_betwe
     assert "__restrict__" not in mega.source  # a layer reads what other blocks wrote in this launch
 
 
+def test_the_two_level_barrier_replaces_every_grid_barrier_and_gets_its_buffer(built, monkeypatch) -> None:
+    """``YIRAGE_CUDA_GRID_SYNC=tree``: every ``y_grid_sync`` becomes ``y_grid_sync_tree`` (32 leaf counters on their
+    own 128-byte lines, then a top counter), the source compiles, and the runtime zeroes and passes a barrier
+    buffer holding every leaf's line; an unknown name is refused."""
+    program, _, flat, _ = built
+    monkeypatch.setenv(megakernel.GRID_SYNC_ENV, "tree")
+    tree = megakernel.render_megakernel(program)
+    _, flat_body = _kernel_body(flat.source)
+    _, tree_body = _kernel_body(tree.source)
+    assert [line.replace("y_grid_sync(", "y_grid_sync_tree(") for line in flat_body] == tree_body
+    assert "y_grid_sync(y_bar)" not in tree.source and tree.bar_words == 32 * (megakernel.TREE_LEAVES + 1)
+    cubin = compile_cuda(tree.source, "sm_90", name="megakernel.cu", options=BUILD_OPTIONS).cubin
+    runtime = _runtime((program, built[1], tree, (built[3][0], cubin)), MegaDriver())
+    assert runtime.bar.numel() == tree.bar_words and flat.bar_words == 2
+    monkeypatch.setenv(megakernel.GRID_SYNC_ENV, "ring")
+    with pytest.raises(Exception, match="YIRAGE_CUDA_GRID_SYNC='ring' is not a megakernel barrier"):
+        megakernel.render_megakernel(program)
+
+
 def test_one_cooperative_launch_decodes_with_a_grid_the_occupancy_allows(built) -> None:
     driver = MegaDriver(per_sm=4)
     runtime = _runtime(built, driver, sm_count=10)

@@ -4,6 +4,7 @@ probe that measures something; the whole script on the CPU in its smoke shape.""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -62,3 +63,16 @@ def test_a_sampled_smoke_run_draws_the_same_tokens_every_run_and_differs_from_gr
         assert code == 0, row
     assert drawn[0]["tokens"] != drawn[1]["tokens"]
     assert row["tokens_vs_oracle"] == "equal" and drawn[0]["ms_per_token"] > 0
+
+
+def test_a_variant_sets_its_environment_for_its_run_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("YIRAGE_CUDA_GRID_SYNC", "flat")
+    monkeypatch.delenv("YIRAGE_PK_PREFETCH", raising=False)
+    name, settings = device_decode.variant("cuda:YIRAGE_PK_PREFETCH=0,YIRAGE_CUDA_GRID_SYNC=tree")
+    assert name == "cuda" and settings == (("YIRAGE_PK_PREFETCH", "0"), ("YIRAGE_CUDA_GRID_SYNC", "tree"))
+    with device_decode.environment(settings):
+        assert os.environ["YIRAGE_PK_PREFETCH"] == "0" and os.environ["YIRAGE_CUDA_GRID_SYNC"] == "tree"
+    assert "YIRAGE_PK_PREFETCH" not in os.environ and os.environ["YIRAGE_CUDA_GRID_SYNC"] == "flat"
+    assert device_decode.variant("triton") == ("triton", ())
+    with pytest.raises(SystemExit, match="BACKEND:VARIABLE=VALUE"):
+        device_decode.variant("cuda:YIRAGE_PK_PREFETCH")

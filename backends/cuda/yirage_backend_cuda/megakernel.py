@@ -26,6 +26,8 @@ renderer now stages each RMSNorm and silu_mul inside the GEMV after it (where it
 LM head's) and stores the new key/value inside the attention (``cstyle``, ``cstyle_gemv.Stage``): 5 barriers per
 layer for a SmolLM2 shape at batch 1, down from 8 (the first H100 run: 2.3 ms/token here, 1.7 on the launched
 runtime). Next: MPK's finer events per task; ``benchmark/grid_barrier.py`` measures what one barrier costs.
+``YIRAGE_CUDA_GRID_SYNC=tree`` swaps the one-counter barrier for a two-level one (32 leaf counters on their own
+lines, then a top counter: fewer atomics on one address); ``make gpu-check`` decodes with both.
 
 Selected with ``YIRAGE_CUDA_PK_RUNTIME=megakernel`` (``launched`` is the default until a GPU run has checked this
 runtime; ``info`` and ``pk.config`` name the kind in use). A profiled run (per-task times need a launch per task)
@@ -96,6 +98,57 @@ __device__ __forceinline__ void y_grid_sync(unsigned int* bar) {
 }"""
 
 
+#: two levels: 32 leaf counters, each on its own 128-byte line, then a top counter; the megakernel's barrier with
+#: ``YIRAGE_CUDA_GRID_SYNC=tree`` (benchmark/grid_barrier.py times it beside the flat one)
+TREE_LEAVES = 32
+GRID_SYNC_TREE = f"#define Y_LEAVES {TREE_LEAVES}u\n" + """\
+// two levels: block b arrives on leaf b % L (its own 128-byte line); the last of a leaf arrives on the top counter;
+// the last there resets it and advances the generation every waiting block watches
+__device__ __forceinline__ void y_grid_sync_tree(unsigned int* bar) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        volatile unsigned int* generation = bar;
+        unsigned int seen = *generation;
+        unsigned int leaves = gridDim.x < Y_LEAVES ? gridDim.x : Y_LEAVES;
+        unsigned int leaf = blockIdx.x % leaves;
+        unsigned int members = gridDim.x / leaves + (leaf < gridDim.x % leaves ? 1u : 0u);
+        unsigned int* counter = bar + 32u * (leaf + 1u);
+        __threadfence();
+        bool last = false;
+        if (atomicAdd(counter, 1u) == members - 1u) {
+            atomicExch(counter, 0u);
+            __threadfence();  // the leaf's reset lands before the top arrival that may release the grid
+            if (atomicAdd(bar + 1, 1u) == leaves - 1u) {
+                atomicExch(bar + 1, 0u);
+                __threadfence();
+                atomicAdd(bar, 1u);
+                last = true;
+            }
+        }
+        if (!last) {
+            while (*generation == seen) __nanosleep(32);
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+"""
+#: the environment variable that picks the megakernel's grid-wide barrier: name -> (function, source, words of
+#: its barrier buffer)
+GRID_SYNC_ENV = "YIRAGE_CUDA_GRID_SYNC"
+GRID_SYNCS = {"flat": ("y_grid_sync", GRID_SYNC, 2), "tree": ("y_grid_sync_tree", GRID_SYNC_TREE,
+                                                              32 * (TREE_LEAVES + 1))}
+
+
+def selected_grid_sync() -> str:
+    """The grid-wide barrier ``$YIRAGE_CUDA_GRID_SYNC`` names: ``flat`` (one counter, the default) or ``tree``."""
+    name = os.environ.get(GRID_SYNC_ENV, "flat").strip().lower() or "flat"
+    if name not in GRID_SYNCS:
+        raise NotSupportedError(f"{GRID_SYNC_ENV}={name!r} is not a megakernel barrier; use one of "
+                                f"{', '.join(GRID_SYNCS)}")
+    return name
+
+
 def selected_runtime() -> str:
     """The cuda PersistentKernel runtime ``$YIRAGE_CUDA_PK_RUNTIME`` names (default ``launched``)."""
     name = os.environ.get(RUNTIME_ENV, "launched").strip().lower() or "launched"
@@ -113,10 +166,13 @@ class MegaRendered:
     buffers: tuple[str, ...]
     block: int
     widest: int  # the most virtual blocks one layer has (more resident blocks than this would idle)
+    bar_words: int = 2  # unsigned ints of the grid barrier's buffer (zeroed before each launch)
 
 
-def render_megakernel(program: PersistentProgram, block: int = GROUP) -> MegaRendered:
-    """``program``'s task bodies as device functions and the resident kernel that runs them step after step."""
+def render_megakernel(program: PersistentProgram, block: int = GROUP, grid_sync: str | None = None) -> MegaRendered:
+    """``program``'s task bodies as device functions and the resident kernel that runs them step after step, with
+    the grid-wide barrier ``grid_sync`` names (default: ``selected_grid_sync()``)."""
+    sync, sync_source, bar_words = GRID_SYNCS[grid_sync or selected_grid_sync()]
     tasks = render_persistent(program, TASK_DIALECT, block, lanes=0)
     for x in tasks.step:
         if x.local > block:
@@ -132,19 +188,19 @@ def render_megakernel(program: PersistentProgram, block: int = GROUP) -> MegaRen
     params = [f"{tasks.ctypes[b]}* {b}" for b in buffers]
     params += ["unsigned int* y_bar", "const volatile int* y_stop", "long long y_limit"]
     ctl = f"((volatile long long*){CTL})"
-    lines = [tasks.source.rstrip(), "", GRID_SYNC, "",
+    lines = [tasks.source.rstrip(), "", sync_source, "",
              f'extern "C" __global__ void __launch_bounds__({block}) {KERNEL}({", ".join(params)}) {{',
              *_phase(tasks.begin, block, tasks), f"    if (blockIdx.x == 0 && threadIdx.x == 0) "
-             f"{CTL}[{Ctl.STOP}] = *y_stop;", "    y_grid_sync(y_bar);",
+             f"{CTL}[{Ctl.STOP}] = *y_stop;", f"    {sync}(y_bar);",
              "    for (long long y_steps = 0; y_steps < y_limit; y_steps++) {",
              f"        if ({ctl}[{Ctl.ERROR}] != 0 || {ctl}[{Ctl.ALIVE}] == 0 || {ctl}[{Ctl.STOP}] != 0) break;"]
     for x in tasks.step:  # the layers, commit, and the next step's begin, each followed by a grid-wide barrier
         lines += [f"    {line}" for line in _phase(x, block, tasks)]
         if x is tasks.begin:
             lines.append(f"        if (blockIdx.x == 0 && threadIdx.x == 0) {CTL}[{Ctl.STOP}] = *y_stop;")
-        lines.append("        y_grid_sync(y_bar);")
+        lines.append(f"        {sync}(y_bar);")
     lines += ["    }", "}", ""]
-    return MegaRendered("\n".join(lines), tuple(buffers), block, max(x.groups for x in tasks.step))
+    return MegaRendered("\n".join(lines), tuple(buffers), block, max(x.groups for x in tasks.step), bar_words)
 
 
 def _phase(x: PKLaunch, block: int, tasks: PKRendered) -> list[str]:
@@ -209,7 +265,7 @@ class CudaMegakernelRuntime(CudaPersistentRuntime):
         wanted = int(config.get("num_workers") or 0) or BLOCKS_PER_SM * sm_count
         #: thread blocks of the launch: as many as asked, never more than can be resident or have work
         self.grid = max(1, min(wanted, self.resident, mega.widest))
-        self.bar = torch.zeros(2, dtype=torch.int32, device=self.device)
+        self.bar = torch.zeros(mega.bar_words, dtype=torch.int32, device=self.device)
         self._host_stop = _MappedFlag(driver, mega_module)
         missing = [b for b in mega.buffers if b not in self.buffers]
         if missing:
