@@ -15,7 +15,8 @@ GPU; CI runs that part. With a GPU:
    finishes, so a hang costs only the rows after it; one HF timing per dtype serves every row),
    Mirage-style kernel graphs against torch eager (benchmark/device_graphs.py), then (optional) the same decode
    beside its variants in one process: cuda without the staged GEMVs' weight prefetch (``YIRAGE_PK_PREFETCH=0``)
-   and the megakernel with its flat and its two-level grid barrier (``YIRAGE_CUDA_GRID_SYNC=tree``), the cost of
+   and the megakernel with its flat grid barrier, the two-level one and per-phase completion counters instead
+   (``YIRAGE_CUDA_GRID_SYNC=tree`` / ``events``; greedy tokens compared as in every decode row), the cost of
    one grid-wide barrier of the megakernel by grid size (benchmark/grid_barrier.py, optional), a seeded sampled
    decode on cuda beside HF
    sampling (optional), and, where the budget is left,
@@ -212,7 +213,7 @@ MEGAKERNEL = ("YIRAGE_CUDA_PK_RUNTIME", "megakernel")
 def timed_parts(out: Path) -> list[Part]:
     """The decodes beside HF eager (the megakernel last; the rows before it are kept if it hangs),
     the kernel graphs beside torch, then (optional, where the budget is left) the decode's variants (the weight
-    prefetch off, the megakernel's two-level barrier), the megakernel's grid-barrier cost, a
+    prefetch off, the megakernel's two-level barrier and its event counters), the megakernel's grid-barrier cost, a
     seeded sampled decode (the sampler: one work-item per row on the C-family runtimes) and Llama-3.2-1B's shape
     in bfloat16 on both cuda runtimes with its share of the measured read bandwidth (issue 27's goal), and
     ``g.superoptimize()`` on cuda over the 14 graphs (fusion plans, then the knobs: each kernel's language, row
@@ -225,8 +226,9 @@ def timed_parts(out: Path) -> list[Part]:
                                  str(out / "graphs.json"), "--profile", str(out / "profile")], 150),
         Part("decode-variants", [PY, "benchmark/device_decode.py", "--backends", "cuda", "cuda:YIRAGE_PK_PREFETCH=0",
                                  f"cuda:{MEGAKERNEL[0]}={MEGAKERNEL[1]}",
-                                 f"cuda:{MEGAKERNEL[0]}={MEGAKERNEL[1]},YIRAGE_CUDA_GRID_SYNC=tree", "--json",
-                                 str(out / "decode-variants.json")], 150, optional=True),
+                                 f"cuda:{MEGAKERNEL[0]}={MEGAKERNEL[1]},YIRAGE_CUDA_GRID_SYNC=tree",
+                                 f"cuda:{MEGAKERNEL[0]}={MEGAKERNEL[1]},YIRAGE_CUDA_GRID_SYNC=events", "--json",
+                                 str(out / "decode-variants.json")], 200, optional=True),
         Part("grid-barrier", [PY, "benchmark/grid_barrier.py", "--json", str(out / "grid-barrier.json")], 60,
              optional=True),
         Part("decode-sampled", [PY, "benchmark/device_decode.py", "--sample", "--dtypes", "bfloat16", "--rounds", "1",

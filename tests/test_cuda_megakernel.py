@@ -161,7 +161,7 @@ def test_the_two_level_barrier_replaces_every_grid_barrier_and_gets_its_buffer(b
     runtime = _runtime((program, built[1], tree, (built[3][0], cubin)), MegaDriver())
     assert runtime.bar.numel() == tree.bar_words and flat.bar_words == 2
     monkeypatch.setenv(megakernel.GRID_SYNC_ENV, "ring")
-    with pytest.raises(Exception, match="YIRAGE_CUDA_GRID_SYNC='ring' is not a megakernel barrier"):
+    with pytest.raises(Exception, match="YIRAGE_CUDA_GRID_SYNC=.ring. is not a megakernel synchronization"):
         megakernel.render_megakernel(program)
 
 
@@ -231,10 +231,12 @@ def test_the_runtime_is_chosen_by_its_environment_variable(monkeypatch) -> None:
 
 
 @GPU
-def test_where_a_gpu_exists_the_megakernel_decodes_like_transformers() -> None:
+@pytest.mark.parametrize("sync", sorted(megakernel.GRID_SYNCS))
+def test_where_a_gpu_exists_the_megakernel_decodes_like_transformers(sync) -> None:
     code = textwrap.dedent("""
         import os, sys, tempfile, torch
         os.environ["YIRAGE_CUDA_PK_RUNTIME"] = "megakernel"
+        os.environ["YIRAGE_CUDA_GRID_SYNC"] = "SYNC"
         from pathlib import Path
         sys.path.insert(0, "tests")
         from llm_oracle import assert_decode_matches, zoo_model
@@ -248,7 +250,7 @@ def test_where_a_gpu_exists_the_megakernel_decodes_like_transformers() -> None:
             assert_decode_matches(model.reference, stepped.tokens, stepped.logits, label=model.label)
             assert torch.equal(free.tokens, stepped.tokens), (free.tokens, stepped.tokens)
         print("ok")
-    """)
+    """).replace("SYNC", sync)
     run_on_gpu(code)
 
 

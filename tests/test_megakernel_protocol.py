@@ -1,4 +1,5 @@
-"""The cuda megakernel's scheduling protocol, run on the CPU: its grid barrier and step loop, verbatim.
+"""The cuda megakernel's scheduling protocol, run on the CPU: its grid barrier (or event counters) and step loop,
+verbatim, for each ``YIRAGE_CUDA_GRID_SYNC``.
 
 The resident kernel (backends/cuda/yirage_backend_cuda/megakernel.py) is task bodies plus a protocol: a grid-wide
 barrier (``y_grid_sync``) after every layer, a step loop every block must leave at the same step, and the host's
@@ -87,12 +88,18 @@ static void task(const char* name, long long vg) {
 """
 
 
-def _protocol_source(mega: megakernel.MegaRendered, expected: list[int]) -> str:
-    """The rendered barrier and kernel, verbatim, with stub tasks and a driver that runs it on threads."""
+def _protocol_source(mega: megakernel.MegaRendered, expected: list[int], sync: str) -> str:
+    """The rendered synchronization and kernel, verbatim, with stub tasks and a driver that runs it on threads.
+    Each block's interval advances at each barrier (``flat``, ``tree``), or each time it publishes a phase
+    (``events``: ``y_done``, which every block calls once per phase, with work or without)."""
     source = mega.source
-    barrier = source[source.index("// every block of the grid arrives"):source.index('extern "C" __global__')]
+    function, text, _ = megakernel.GRID_SYNCS[sync]
+    assert text in source, "the synchronization is rendered verbatim"
     kernel = source[source.index('extern "C" __global__'):]
     names = sorted(set(re.findall(r"\b(y_(?:\w+?)_\d+)\(", kernel)) - {"y_grid_sync"})
+    hook = function or "y_done"
+    signature = "unsigned int* bar" if function else "unsigned int* bar, int n"
+    call_ = "bar" if function else "bar, n"
     stubs = "".join(f"template <class... A> void {n}(A... a) {{ auto t = std::make_tuple(a...); "
                     f"task(\"{n}\", (long long)std::get<sizeof...(A) - 2>(t)); }}\n" for n in names)
     params = re.search(r"y_megakernel\((.*?)\) \{", kernel).group(1).split(", ")
@@ -104,13 +111,14 @@ def _protocol_source(mega: megakernel.MegaRendered, expected: list[int]) -> str:
         f"#define EPOCHS {len(expected)}", f"#define ALIVE {int(Ctl.ALIVE)}", f"#define STEPS {int(Ctl.STEPS)}",
         f"static const long long EXPECTED[EPOCHS] = {{{', '.join(map(str, expected))}}};",
         EMULATION,
-        "#define y_grid_sync y_rendered_grid_sync", barrier, "#undef y_grid_sync",
-        "static void y_grid_sync(unsigned int* bar) { y_rendered_grid_sync(bar); t_epoch += 1; }",
+        f"#define {hook} y_rendered_sync", text, f"#undef {hook}",
+        f"static void {hook}({signature}) {{ y_rendered_sync({call_}); t_epoch += 1; }}",
         stubs, kernel,
         "int main(int argc, char** argv) {",
         "    unsigned grid = atoi(argv[1]); long long limit = atoll(argv[2]);",
         "    g_eos_after = atoll(argv[3]); g_stop_at = atoll(argv[4]);",
-        "    static long long ctl[64] = {0}; static unsigned bar[2] = {0, 0}; static volatile int stop = 0;",
+        f"    static long long ctl[64] = {{0}}; static unsigned bar[{mega.bar_words}] = {{0}};",
+        "    static volatile int stop = 0;",
         "    stop = atoi(argv[5]); g_ctl = ctl; g_stop = &stop; gridDim.x = grid;",
         "    std::vector<std::thread> blocks; std::vector<long long> epochs(grid);",
         "    for (unsigned b = 0; b < grid; b++) blocks.emplace_back([&, b] {",
@@ -131,14 +139,14 @@ def _expected(mega_tasks: list[tuple[int, str]], steps: int) -> list[int]:
     return [first[0]] + [groups for _ in range(steps + 1) for groups, _ in step]
 
 
-@pytest.fixture(scope="module")
-def protocol(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(megakernel.GRID_SYNCS))
+def protocol(tmp_path_factory, request):
     program = _program(sampling=False, dtype="float32")
-    mega = megakernel.render_megakernel(program)
+    mega = megakernel.render_megakernel(program, grid_sync=request.param)
     body = mega.source[mega.source.index("y_megakernel("):]
     phases = [(int(m.group(1)), m.group(2)) for m in
               re.finditer(r"y_vg < (\d+); y_vg \+= gridDim\.x\) \{ (?:if \(threadIdx\.x < \d+\) )?(y_\w+?)\(", body)]
-    source = _protocol_source(mega, _expected(phases, 12))
+    source = _protocol_source(mega, _expected(phases, 12), request.param)
     exe = tmp_path_factory.mktemp("megakernel-protocol") / "protocol"
     src = exe.with_suffix(".cpp")
     src.write_text(source)

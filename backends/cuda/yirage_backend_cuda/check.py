@@ -245,8 +245,9 @@ def persistent_sources() -> dict[str, str]:
         program = model.build_decoder(step, tokens, backend="reference", sampling=picking).program
         sources[f"pk-{name}"] = render_cuda(program).source
         sources[f"megakernel-{name}"] = render_megakernel(program).source
-        if name == PK_MODELS[0][0]:  # the two-level barrier (YIRAGE_CUDA_GRID_SYNC=tree) once
-            sources[f"megakernel-tree-{name}"] = render_megakernel(program, grid_sync="tree").source
+        if name == PK_MODELS[0][0]:  # the other synchronizations (YIRAGE_CUDA_GRID_SYNC=tree / events) once
+            for sync in ("tree", "events"):
+                sources[f"megakernel-{sync}-{name}"] = render_megakernel(program, grid_sync=sync).source
     return sources
 
 

@@ -27,7 +27,9 @@ LM head's) and stores the new key/value inside the attention (``cstyle``, ``csty
 layer for a SmolLM2 shape at batch 1, down from 8 (the first H100 run: 2.3 ms/token here, 1.7 on the launched
 runtime). Next: MPK's finer events per task; ``benchmark/grid_barrier.py`` measures what one barrier costs.
 ``YIRAGE_CUDA_GRID_SYNC=tree`` swaps the one-counter barrier for a two-level one (32 leaf counters on their own
-lines, then a top counter: fewer atomics on one address); ``make gpu-check`` decodes with both.
+lines, then a top counter: fewer atomics on one address); ``=events`` drops the barrier for a completion counter
+per phase (``EVENTS``; run on CPU threads, verbatim, in tests/test_megakernel_protocol.py); ``make gpu-check``
+decodes with all three.
 
 Selected with ``YIRAGE_CUDA_PK_RUNTIME=megakernel`` (``launched`` is the default until a GPU run has checked this
 runtime; ``info`` and ``pk.config`` name the kind in use). A profiled run (per-task times need a launch per task)
@@ -133,18 +135,47 @@ __device__ __forceinline__ void y_grid_sync_tree(unsigned int* bar) {
     __syncthreads();
 }
 """
-#: the environment variable that picks the megakernel's grid-wide barrier: name -> (function, source, words of
-#: its barrier buffer)
+#: ``YIRAGE_CUDA_GRID_SYNC=events``: no grid-wide barrier. Each phase (a task kernel's virtual blocks) has a
+#: completion counter on its own 128-byte line; a block that ran n of its virtual blocks adds n once (a block with
+#: none adds nothing), and a block starts a phase once the previous phase's counter reaches its virtual blocks times
+#: the steps so far (counters only grow within a launch: no reset, no generation word). A barrier makes every block
+#: arrive (1056 atomics on one word at 8 blocks per SM); here an attention phase of 9 virtual blocks costs 9.
+#: Every block agrees on when to leave: it reads the control buffer after the step's ``begin`` completes, and the
+#: next write to it (``commit``) waits for the widest phase, in which every block has work (the grid is never wider
+#: than the widest phase), so no block can commit before every block has read.
+EVENTS = """\
+// this block ran n virtual blocks of a phase: publish them (its writes first) on the phase's counter
+__device__ __forceinline__ void y_done(unsigned int* done, int n) {
+    __syncthreads();
+    if (threadIdx.x == 0 && n > 0) {
+        __threadfence();
+        atomicAdd(done, (unsigned int)n);
+    }
+}
+// wait until a phase's counter reaches target (wrap-safe), then read what its blocks wrote
+__device__ __forceinline__ void y_wait(const unsigned int* done, unsigned int target) {
+    if (threadIdx.x == 0) {
+        const volatile unsigned int* v = done;
+        while ((int)(*v - target) < 0) __nanosleep(32);
+        __threadfence();
+    }
+    __syncthreads();
+}
+"""
+#: the environment variable that picks the megakernel's grid-wide synchronization: name -> (barrier function,
+#: source, words of its buffer; events: counted per program, one 32-word line per phase)
 GRID_SYNC_ENV = "YIRAGE_CUDA_GRID_SYNC"
 GRID_SYNCS = {"flat": ("y_grid_sync", GRID_SYNC, 2), "tree": ("y_grid_sync_tree", GRID_SYNC_TREE,
-                                                              32 * (TREE_LEAVES + 1))}
+                                                              32 * (TREE_LEAVES + 1)),
+              "events": ("", EVENTS, 0)}
 
 
 def selected_grid_sync() -> str:
-    """The grid-wide barrier ``$YIRAGE_CUDA_GRID_SYNC`` names: ``flat`` (one counter, the default) or ``tree``."""
+    """The synchronization ``$YIRAGE_CUDA_GRID_SYNC`` names: ``flat`` (one counter, the default), ``tree`` or
+    ``events``."""
     name = os.environ.get(GRID_SYNC_ENV, "flat").strip().lower() or "flat"
     if name not in GRID_SYNCS:
-        raise NotSupportedError(f"{GRID_SYNC_ENV}={name!r} is not a megakernel barrier; use one of "
+        raise NotSupportedError(f"{GRID_SYNC_ENV}={name!r} is not a megakernel synchronization; use one of "
                                 f"{', '.join(GRID_SYNCS)}")
     return name
 
@@ -188,8 +219,12 @@ def render_megakernel(program: PersistentProgram, block: int = GROUP, grid_sync:
     params = [f"{tasks.ctypes[b]}* {b}" for b in buffers]
     params += ["unsigned int* y_bar", "const volatile int* y_stop", "long long y_limit"]
     ctl = f"((volatile long long*){CTL})"
-    lines = [tasks.source.rstrip(), "", sync_source, "",
-             f'extern "C" __global__ void __launch_bounds__({block}) {KERNEL}({", ".join(params)}) {{',
+    head = f'extern "C" __global__ void __launch_bounds__({block}) {KERNEL}({", ".join(params)}) {{'
+    widest = max(x.groups for x in tasks.step)
+    if not sync:  # events: a completion counter per phase
+        lines = [tasks.source.rstrip(), "", sync_source, "", head, *_event_phases(tasks, block, ctl), "}", ""]
+        return MegaRendered("\n".join(lines), tuple(buffers), block, widest, 32 * (len(tasks.step) + 1))
+    lines = [tasks.source.rstrip(), "", sync_source, "", head,
              *_phase(tasks.begin, block, tasks), f"    if (blockIdx.x == 0 && threadIdx.x == 0) "
              f"{CTL}[{Ctl.STOP}] = *y_stop;", f"    {sync}(y_bar);",
              "    for (long long y_steps = 0; y_steps < y_limit; y_steps++) {",
@@ -200,11 +235,36 @@ def render_megakernel(program: PersistentProgram, block: int = GROUP, grid_sync:
             lines.append(f"        if (blockIdx.x == 0 && threadIdx.x == 0) {CTL}[{Ctl.STOP}] = *y_stop;")
         lines.append(f"        {sync}(y_bar);")
     lines += ["    }", "}", ""]
-    return MegaRendered("\n".join(lines), tuple(buffers), block, max(x.groups for x in tasks.step), bar_words)
+    return MegaRendered("\n".join(lines), tuple(buffers), block, widest, bar_words)
 
 
-def _phase(x: PKLaunch, block: int, tasks: PKRendered) -> list[str]:
-    """Every virtual block of task kernel ``x``, spread over the resident blocks."""
+def _event_phases(tasks: PKRendered, block: int, ctl: str) -> list[str]:
+    """The kernel body with completion counters (``EVENTS``): phase p of the step loop counts on line p of
+    ``y_bar``, the first ``begin`` (before the loop) on line len(step)."""
+    step, first = list(tasks.step), len(tasks.step)
+    stop = f"if (blockIdx.x == 0 && threadIdx.x == 0) {CTL}[{Ctl.STOP}] = *y_stop;"
+
+    def counted(x: PKLaunch, slot: int) -> list[str]:
+        body = _phase(x, block, tasks, counted=True)
+        return ["{", "    int y_n = 0;", *body, *([f"    {stop}"] if x is tasks.begin else []),
+                f"    y_done(y_bar + {32 * slot}, y_n);", "}"]
+
+    lines = [*(f"    {line}" for line in counted(tasks.begin, first)),
+             "    for (long long y_steps = 0; y_steps < y_limit; y_steps++) {",
+             "        unsigned int y_s = (unsigned int)y_steps;",
+             f"        if (y_steps == 0) y_wait(y_bar + {32 * first}, {tasks.begin.groups}u); "
+             f"else y_wait(y_bar + {32 * (first - 1)}, {step[-1].groups}u * y_s);",
+             f"        if ({ctl}[{Ctl.ERROR}] != 0 || {ctl}[{Ctl.ALIVE}] == 0 || {ctl}[{Ctl.STOP}] != 0) break;"]
+    for p, x in enumerate(step):
+        if p:
+            lines.append(f"        y_wait(y_bar + {32 * (p - 1)}, {step[p - 1].groups}u * (y_s + 1u));")
+        lines += [f"        {line}" for line in counted(x, p)]
+    return [*lines, "    }"]
+
+
+def _phase(x: PKLaunch, block: int, tasks: PKRendered, counted: bool = False) -> list[str]:
+    """Every virtual block of task kernel ``x``, spread over the resident blocks (``counted``: each adds 1 to the
+    enclosing ``y_n``)."""
     call_ = f"{x.kernel}({', '.join(x.args)}, y_vg, {x.local});"
     if x.local < block:
         if _has_barrier(tasks.source, x.kernel):
@@ -216,7 +276,7 @@ def _phase(x: PKLaunch, block: int, tasks: PKRendered) -> list[str]:
     # an int loop counter (a layer has fewer than 2**31 virtual blocks): with a long long one ptxas spilled a
     # register of this kernel across the task calls on sm_90 (ptxas -v; the compile-only check refuses spills)
     loop = f"for (int y_vg = blockIdx.x; y_vg < {x.groups}; y_vg += gridDim.x)"
-    return [f"    {loop} {{ {call_} __syncthreads(); }}"]
+    return [f"    {loop} {{ {call_} __syncthreads();{' y_n++;' if counted else ''} }}"]
 
 
 #: static __shared__ bytes one kernel may declare (every function it calls counts: ptxas does not overlap them)
