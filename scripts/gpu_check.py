@@ -14,8 +14,9 @@ GPU; CI runs that part. With a GPU:
    same GPU, greedy tokens compared (benchmark/device_decode.py; the cuda megakernel last, rows written as each
    finishes, so a hang costs only the rows after it; one HF timing per dtype serves every row),
    Mirage-style kernel graphs against torch eager (benchmark/device_graphs.py), then (optional) the same decode
-   beside its variants in one process: cuda without the staged GEMVs' weight prefetch (``YIRAGE_PK_PREFETCH=0``)
-   and the megakernel with its flat grid barrier, the two-level one and per-phase completion counters instead
+   beside its variants in one process, in bfloat16: cuda without the staged GEMVs' weight prefetch
+   (``YIRAGE_PK_PREFETCH=0``) and the megakernel with its flat grid barrier, the two-level one and per-phase
+   completion counters instead
    (``YIRAGE_CUDA_GRID_SYNC=tree`` / ``events``; greedy tokens compared as in every decode row), the cost of
    one grid-wide barrier of the megakernel by grid size (benchmark/grid_barrier.py, optional), a seeded sampled
    decode on cuda beside HF
@@ -224,7 +225,8 @@ def timed_parts(out: Path) -> list[Part]:
                               "--profile", str(out / "profile")], 240),
         Part("graphs-vs-torch", [PY, "benchmark/device_graphs.py", "--backends", "cuda", "triton", "--json",
                                  str(out / "graphs.json"), "--profile", str(out / "profile")], 150),
-        Part("decode-variants", [PY, "benchmark/device_decode.py", "--backends", "cuda", "cuda:YIRAGE_PK_PREFETCH=0",
+        Part("decode-variants", [PY, "benchmark/device_decode.py", "--dtypes", "bfloat16", "--backends", "cuda",
+                                 "cuda:YIRAGE_PK_PREFETCH=0",
                                  f"cuda:{MEGAKERNEL[0]}={MEGAKERNEL[1]}",
                                  f"cuda:{MEGAKERNEL[0]}={MEGAKERNEL[1]},YIRAGE_CUDA_GRID_SYNC=tree",
                                  f"cuda:{MEGAKERNEL[0]}={MEGAKERNEL[1]},YIRAGE_CUDA_GRID_SYNC=events", "--json",
