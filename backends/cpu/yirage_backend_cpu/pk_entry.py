@@ -16,6 +16,10 @@ call (``task_frame``) and ``run_task`` turns back into arrays.
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -23,6 +27,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core.caching import NullCache
 from numba.core.ccallback import CFunc
 from numba.core.sigutils import normalize_signature
 from numba.extending import intrinsic
@@ -38,11 +43,13 @@ BATCH, TOK_COLS = 24, 25
 FRAME_SLOTS = 26
 # ``entries``: the addresses of the task bodies compiled apart, on first use, only for a model that needs them
 # (0: not needed): Q8_0 / Q4_0 projections (pk_quant.linear_q_entry), attention over 16-bit KV caches
-# (pk_tasks.narrow_attention_entry), sampling (pk_tasks.sample_entry). A float model with float32 caches that
-# decodes greedily compiles none of them: 42 -> 31 s cold for the first two, then about 3 s less for the sampler.
-QUANT_ENTRY, NARROW_ATTENTION_ENTRY, SAMPLE_ENTRY = 0, 1, 2
-ENTRY_COUNT = 3
+# (pk_tasks.narrow_attention_entry), sampling (pk_tasks.sample_entry), attention over float32 caches
+# (pk_tasks.float_attention_entry: apart so that the process compiles it while a child compiles execute). A float
+# model that decodes greedily compiles none of the first three: 42 -> 31 s cold, then about 3 s less.
+QUANT_ENTRY, NARROW_ATTENTION_ENTRY, SAMPLE_ENTRY, FLOAT_ATTENTION_ENTRY = 0, 1, 2, 3
+ENTRY_COUNT = 4
 _lock = threading.Lock()
+logger = logging.getLogger("yirage.cpu")
 
 
 def task_entry(pyfunc: Any, signature: Any = ENTRY_SIGNATURE) -> CFunc:
@@ -62,6 +69,54 @@ def compiled(entry: CFunc) -> CFunc:
         if entry.address is None:
             entry.compile()
     return entry
+
+
+def cached(entry: CFunc) -> bool:
+    """Whether ``entry`` is compiled in this process, or its code is in numba's cache (then ``compiled`` loads it
+    in milliseconds: numba keeps what this probe read)."""
+    with _lock:
+        if entry.address is not None:
+            return True
+        return entry._cache.load_overload(entry._sig, entry._targetdescr.target_context) is not None
+
+
+#: ``YIRAGE_CPU_COMPILE_APART=0``: compile every entry point in the process that needs it (no child process)
+COMPILE_APART_ENV = "YIRAGE_CPU_COMPILE_APART"
+
+
+def compile_apart(entry: CFunc) -> subprocess.Popen | None:
+    """Start compiling ``entry`` in a child process that writes numba's cache, so this process can compile the rest
+    at the same time: on a cold cache two cores compile at once. The child imports the module that defines the
+    entry, on this process's import path. ``compiled(entry)`` then loads the child's code; see ``finish``. None
+    (nothing started) where the entry is compiled or cached already, where numba caches nothing (the child's work
+    would be lost), where no module attribute holds the entry, or where ``YIRAGE_CPU_COMPILE_APART=0``."""
+    if os.environ.get(COMPILE_APART_ENV, "1").strip() == "0" or isinstance(entry._cache, NullCache):
+        return None
+    module = sys.modules.get(entry.__module__)
+    name = next((k for k, v in vars(module).items() if v is entry), None) if module is not None else None
+    if name is None or cached(entry):
+        return None
+    code = (f"from yirage_backend_cpu.pk_entry import compiled\nfrom {entry.__module__} import {name}\n"
+            f"compiled({name})\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env=env)
+
+
+def finish(child: subprocess.Popen | None, entry: CFunc) -> CFunc:
+    """Wait for ``compile_apart``'s child and return ``entry`` compiled: loaded from the cache the child wrote, or,
+    where the child failed (its error is logged), compiled here. Interrupted (Ctrl-C), the child is killed."""
+    if child is not None:
+        try:
+            _, err = child.communicate()
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        if child.returncode != 0:
+            logger.warning("compiling %s in a child process failed (exit %s); compiling it here instead: %s",
+                           entry.__name__, child.returncode, err.decode(errors="replace")[-2000:])
+    return compiled(entry)
 
 
 def recompile(entry: CFunc) -> None:

@@ -46,10 +46,13 @@ from yirage_backend_cpu.pk_calls import call_decode
 from yirage_backend_cpu.pk_comm import ERR_COMM, ERR_PIPE, FLAG_SLOTS, Communicator
 from yirage_backend_cpu.pk_entry import (
     ENTRY_COUNT,
+    FLOAT_ATTENTION_ENTRY,
     NARROW_ATTENTION_ENTRY,
     QUANT_ENTRY,
     SAMPLE_ENTRY,
+    compile_apart,
     compiled,
+    finish,
     task_frame,
 )
 from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q4_BYTES, Q8_0, Q8_0G, Q8_BYTES, dtype_code, quantized_entry
@@ -82,6 +85,7 @@ from yirage_backend_cpu.pk_tasks import (
     TASKS,
     check_compiled_layout,
     execute_entry,
+    float_attention_entry,
     i64s,
     narrow_attention_entry,
     pick_rows,
@@ -419,10 +423,29 @@ class CPUPersistentRuntime:
         entries[QUANT_ENTRY] = quantized_entry(self.tdt)
         narrow = any(row[C_KIND] == ATTN and self.tdt[row[ATT_KC]] != F32 for row in self.lp)
         entries[NARROW_ATTENTION_ENTRY] = int(compiled(narrow_attention_entry).address) if narrow else 0
+        wide = any(row[C_KIND] == ATTN and self.tdt[row[ATT_KC]] == F32 for row in self.lp)
+        entries[FLOAT_ATTENTION_ENTRY] = int(compiled(float_attention_entry).address) if wide else 0
         samples = any(row[C_KIND] == SAMPLE for row in self.lp)
         entries[SAMPLE_ENTRY] = int(compiled(sample_entry).address) if samples else 0
         self.entries = entries
         return entries
+
+    def _execute(self, args: tuple[Any, ...]) -> Any:
+        """``execute``'s entry point, compiled. On a cold cache a child process compiles it while this one compiles
+        the decode loop and the entries this model needs (``pk_entry.compile_apart``): on 2 cores the first
+        decode's compile takes about the larger of the two, not their sum."""
+        if execute_entry.address is not None:
+            return execute_entry
+        child = compile_apart(execute_entry)
+        if child is not None:
+            try:
+                self._entries()
+                decode.compile(tuple(numba.typeof(a) for a in (*args, execute_entry, np.zeros(ENTRY_COUNT, np.int64))))
+            except BaseException:  # Ctrl-C or a compile error here: the child's work is not waited for
+                child.kill()
+                child.wait()
+                raise
+        return finish(child, execute_entry)
 
     def value(self, name: str) -> Any:
         return self.values[name]
@@ -472,8 +495,8 @@ class CPUPersistentRuntime:
             arrived.zero_()
         args = (self.addr, self.tdt, self.tnum, self.lp, self.lf, *self.graph_arrays, workers, schedulers, limit,
                 np.array(program.eos_token_ids or [-1], np.int64), program.max_seq_length, program.batch, tokens_id,
-                tok_cols, step_id, pick_id, self.scratch, self.scr, profile, self.steps_run, self.flags,
-                compiled(execute_entry), self._entries())
+                tok_cols, step_id, pick_id, self.scratch, self.scr, profile, self.steps_run, self.flags)
+        args += (self._execute(args), self._entries())
         check_fork()
         comm = self.comm
         if comm is not None:

@@ -56,6 +56,7 @@ from yirage_backend_cpu.kernel_lib import (
 )
 from yirage_backend_cpu.pk_comm import communicate
 from yirage_backend_cpu.pk_entry import (
+    FLOAT_ATTENTION_ENTRY,
     NARROW_ATTENTION_ENTRY,
     QUANT_ENTRY,
     SAMPLE_ENTRY,
@@ -450,6 +451,20 @@ def _narrow_attention_c(layer, t, qkv, qkv_n, kc, kc_n, vc, vc_n, code, step, st
 narrow_attention_entry = task_entry(_narrow_attention_c, types.void(*(types.int64,) * 26))
 
 
+def _float_attention_c(layer, t, qkv, qkv_n, kc, kc_n, vc, vc_n, code, step, step_n, cos, cos_n, sin, sin_n, out,
+                       out_n, n_out, lp, lp_rows, lp_cols, addr, addr_n, tnum, scratch, scratch_n):
+    # type: ignore[no-untyped-def]
+    attention_task(layer, t, f32s(qkv, qkv_n), f32s(kc, kc_n), f32s(vc, vc_n), code, i64s(step, step_n),
+                   f32s(cos, cos_n), f32s(sin, sin_n), f32s(out, out_n), n_out,
+                   numba.carray(as_pointer(lp), (lp_rows, lp_cols), np.int64), i64s(addr, addr_n), i64s(tnum, addr_n),
+                   f32s(scratch, scratch_n))
+
+
+# attention_task over float32 caches, behind its own entry point (pk_entry.FLOAT_ATTENTION_ENTRY): on a cold cache
+# the process compiles it while a child compiles execute (pk_entry.compile_apart), halving the larger share
+float_attention_entry = task_entry(_float_attention_c, types.void(*(types.int64,) * 26))
+
+
 ARGMAX_LANES = 16
 
 
@@ -644,16 +659,12 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
         linear(xs, batch, k, addr[lp[layer, SILU_W]], tdt[lp[layer, SILU_W]], n0, n0 + cols, out, n, res, none,
                scratch[batch * k:], entries[QUANT_ENTRY])
     elif kind == ATTN:
-        qkv = f32s(addr[lp[layer, ATT_QKV]], tnum[lp[layer, ATT_QKV]])
-        cos = f32s(addr[lp[layer, ATT_COS]], tnum[lp[layer, ATT_COS]])
-        sin = f32s(addr[lp[layer, ATT_SIN]], tnum[lp[layer, ATT_SIN]])
         kci, vci = lp[layer, ATT_KC], lp[layer, ATT_VC]
-        if tdt[kci] == F32:
-            attention_task(layer, t, qkv, f32s(addr[kci], tnum[kci]), f32s(addr[vci], tnum[vci]), F32, step, cos,
-                           sin, out, n, lp, addr, tnum, scratch)
-        elif entries[NARROW_ATTENTION_ENTRY] != 0:  # bfloat16 / float16 bits (both caches: one dtype)
+        # float32 caches, or bfloat16 / float16 bits (both caches: one dtype): each behind its own entry point
+        body = entries[FLOAT_ATTENTION_ENTRY] if tdt[kci] == F32 else entries[NARROW_ATTENTION_ENTRY]
+        if body != 0:
             qi, ci, si = lp[layer, ATT_QKV], lp[layer, ATT_COS], lp[layer, ATT_SIN]
-            call_c(entries[NARROW_ATTENTION_ENTRY], (
+            call_c(body, (
                 layer, t, addr[qi], tnum[qi], addr[kci], tnum[kci], addr[vci], tnum[vci], tdt[kci], step.ctypes.data,
                 step.shape[0], addr[ci], tnum[ci], addr[si], tnum[si], out.ctypes.data, out.shape[0], n,
                 lp.ctypes.data, lp.shape[0], lp.shape[1], addr.ctypes.data, addr.shape[0], tnum.ctypes.data,
