@@ -437,13 +437,20 @@ def attention_task(layer, t, qkv, kc, vc, code, step, cos, sin, out, n_out, lp, 
         combine_chunks(parts, chunks, group, d, row)
 
 
+@njit(inline="always", **OPTS)
+def _attention_c(layer, t, qkv, qkv_n, kcs, vcs, code, step, step_n, cos, cos_n, sin, sin_n, out, out_n, n_out, lp,
+                 lp_rows, lp_cols, addr, addr_n, tnum, scratch, scratch_n):  # type: ignore[no-untyped-def]
+    """attention_task from an entry point's integers (the caches already viewed as their arrays)."""
+    attention_task(layer, t, f32s(qkv, qkv_n), kcs, vcs, code, i64s(step, step_n), f32s(cos, cos_n), f32s(sin, sin_n),
+                   f32s(out, out_n), n_out, numba.carray(as_pointer(lp), (lp_rows, lp_cols), np.int64),
+                   i64s(addr, addr_n), i64s(tnum, addr_n), f32s(scratch, scratch_n))
+
+
 def _narrow_attention_c(layer, t, qkv, qkv_n, kc, kc_n, vc, vc_n, code, step, step_n, cos, cos_n, sin, sin_n, out,
                         out_n, n_out, lp, lp_rows, lp_cols, addr, addr_n, tnum, scratch, scratch_n):
     # type: ignore[no-untyped-def]
-    attention_task(layer, t, f32s(qkv, qkv_n), u16s(kc, kc_n), u16s(vc, vc_n), code, i64s(step, step_n),
-                   f32s(cos, cos_n), f32s(sin, sin_n), f32s(out, out_n), n_out,
-                   numba.carray(as_pointer(lp), (lp_rows, lp_cols), np.int64), i64s(addr, addr_n), i64s(tnum, addr_n),
-                   f32s(scratch, scratch_n))
+    _attention_c(layer, t, qkv, qkv_n, u16s(kc, kc_n), u16s(vc, vc_n), code, step, step_n, cos, cos_n, sin, sin_n,
+                 out, out_n, n_out, lp, lp_rows, lp_cols, addr, addr_n, tnum, scratch, scratch_n)
 
 
 # attention_task over bfloat16 / float16 caches (uint16 arrays), behind a C entry point compiled on first use
@@ -454,10 +461,8 @@ narrow_attention_entry = task_entry(_narrow_attention_c, types.void(*(types.int6
 def _float_attention_c(layer, t, qkv, qkv_n, kc, kc_n, vc, vc_n, code, step, step_n, cos, cos_n, sin, sin_n, out,
                        out_n, n_out, lp, lp_rows, lp_cols, addr, addr_n, tnum, scratch, scratch_n):
     # type: ignore[no-untyped-def]
-    attention_task(layer, t, f32s(qkv, qkv_n), f32s(kc, kc_n), f32s(vc, vc_n), code, i64s(step, step_n),
-                   f32s(cos, cos_n), f32s(sin, sin_n), f32s(out, out_n), n_out,
-                   numba.carray(as_pointer(lp), (lp_rows, lp_cols), np.int64), i64s(addr, addr_n), i64s(tnum, addr_n),
-                   f32s(scratch, scratch_n))
+    _attention_c(layer, t, qkv, qkv_n, f32s(kc, kc_n), f32s(vc, vc_n), code, step, step_n, cos, cos_n, sin, sin_n,
+                 out, out_n, n_out, lp, lp_rows, lp_cols, addr, addr_n, tnum, scratch, scratch_n)
 
 
 # attention_task over float32 caches, behind its own entry point (pk_entry.FLOAT_ATTENTION_ENTRY): on a cold cache
