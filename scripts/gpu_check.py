@@ -12,19 +12,17 @@ GPU; CI runs that part. With a GPU:
    memcheck and racecheck (scripts/sanitize_decode.py; a sanitizer part that runs out of time does not fail);
 2. alone, timed: decode of a SmolLM2-shaped random model on each GPU backend beside Hugging Face eager on the
    same GPU, greedy tokens compared (benchmark/device_decode.py; the cuda megakernel last, rows written as each
-   finishes, so a hang costs only the rows after it; one HF timing per dtype serves every row),
-   Mirage-style kernel graphs against torch eager (benchmark/device_graphs.py), then (optional) the same decode
-   beside its variants in one process, in bfloat16: cuda without the staged GEMVs' weight prefetch
-   (``YIRAGE_PK_PREFETCH=0``) and the megakernel with its flat grid barrier, the two-level one and per-phase
-   completion counters instead
-   (``YIRAGE_CUDA_GRID_SYNC=tree`` / ``events``; greedy tokens compared as in every decode row), the cost of
-   one grid-wide barrier of the megakernel by grid size (benchmark/grid_barrier.py, optional), a seeded sampled
-   decode on cuda beside HF
-   sampling (optional), and, where the budget is left,
-   Llama-3.2-1B's shape in bfloat16 with its share of the read bandwidth measured in the same run (an optional
-   part: skipped or cut by the budget, it does not fail the check), then ``g.superoptimize()`` on cuda over the
-   same graphs (benchmark/superoptimize.py, optional). The decode and graph parts also profile one generate
-   per row and 5 calls per graph (torch.profiler: each kernel's time and count) into ``profile/``.
+   finishes, so a hang costs only the rows after it; one HF timing per dtype serves every row), Mirage-style
+   kernel graphs against torch eager (benchmark/device_graphs.py), then the optional parts, where the budget is
+   left: the same decode beside its variants in one process, in bfloat16 (cuda without the staged GEMVs' weight
+   prefetch, ``YIRAGE_PK_PREFETCH=0``; the megakernel with its flat grid barrier, the two-level one and per-phase
+   completion counters, ``YIRAGE_CUDA_GRID_SYNC=tree`` / ``events``; greedy tokens compared as in every decode
+   row), the cost of one grid-wide barrier of the megakernel by grid size (benchmark/grid_barrier.py), a seeded
+   sampled decode on cuda beside HF sampling, Llama-3.2-1B's shape in bfloat16 with its share of the read
+   bandwidth measured in the same run, and ``g.superoptimize()`` on cuda over the same graphs
+   (benchmark/superoptimize.py); an optional part skipped or cut by the budget does not fail the check. The decode
+   and graph parts also profile one generate per row and 5 calls per graph (torch.profiler: each kernel's time and
+   count) into ``profile/``.
 
 It prints one summary table and writes it as ``summary.json`` and ``summary.md`` with every part's full log
 (``logs/``) into ``$YIRAGE_GPU_CHECK_DIR`` (default ``build/gpu-check``). It installs nothing from the network and
