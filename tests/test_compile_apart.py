@@ -1,5 +1,6 @@
-"""pk_entry.compile_apart: on a cold cache a child process compiles an entry point while this one compiles the rest;
-this process then loads the child's code from numba's cache (a cache hit, not a second compile)."""
+"""pk_entry.compile_ahead: on a cold cache a child process compiles entry points, in order, while this one compiles
+the rest; ``compiled`` then waits for the child's word on the entry it needs and loads the child's code from numba's
+cache (a cache hit, not a second compile)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,24 @@ import numpy as np
 import pytest
 
 pytest.importorskip("numba")
-from entry_probe import probe_entry  # noqa: E402
+from entry_probe import probe_entry, second_probe  # noqa: E402
 from yirage_backend_cpu import pk_entry  # noqa: E402
+
+
+def _flush(entry) -> None:
+    entry._cache.flush()
+    entry._wrapper_address = None
+    entry._cache_hits = 0
 
 
 @pytest.fixture
 def cold(monkeypatch: pytest.MonkeyPatch):
-    """The probe with no code in this process or in numba's cache (the child finds its module on this process's
+    """The probes with no code in this process or in numba's cache (the child finds their module on this process's
     import path)."""
     monkeypatch.delenv(pk_entry.COMPILE_APART_ENV, raising=False)
-    probe_entry._cache.flush()
-    probe_entry._wrapper_address = None
-    probe_entry._cache_hits = 0
-    return probe_entry
+    for entry in (probe_entry, second_probe):
+        _flush(entry)
+    return probe_entry, second_probe
 
 
 def answer(entry) -> int:
@@ -30,22 +36,56 @@ def answer(entry) -> int:
     return int(out[0])
 
 
-def test_a_cold_entry_is_compiled_by_a_child_and_loaded_here_from_the_cache(cold) -> None:
-    child = pk_entry.compile_apart(cold)
-    assert child is not None
-    entry = pk_entry.finish(child, cold)
-    assert child.returncode == 0 and entry._cache_hits == 1, "loaded from the child's cache, not compiled here"
-    assert answer(entry) == 42
-    assert pk_entry.compile_apart(cold) is None  # compiled now: nothing to start
+def test_cold_entries_are_compiled_by_a_child_and_loaded_here_from_the_cache(cold) -> None:
+    first, second = cold
+    ahead = pk_entry.compile_ahead([first, second])
+    assert ahead is not None
+    assert pk_entry.compile_ahead([first, second]) is None  # both are on their way: nothing more to start
+    entry = pk_entry.compiled(second)  # waits for the child's word on this one
+    assert entry._cache_hits == 1, "loaded from the child's cache, not compiled here"
+    assert answer(entry) == 43
+    assert pk_entry.compiled(first)._cache_hits == 1 and answer(first) == 42
+    ahead.process.wait(timeout=60)
+    assert ahead.process.returncode == 0
+    assert pk_entry.compile_ahead([first, second]) is None  # compiled now: nothing to start
 
 
 def test_nothing_starts_when_turned_off_and_a_failed_child_leaves_the_compile_here(cold, monkeypatch, caplog) -> None:
+    first, _ = cold
     monkeypatch.setenv(pk_entry.COMPILE_APART_ENV, "0")
-    assert pk_entry.compile_apart(cold) is None
+    assert pk_entry.compile_ahead([first]) is None
     monkeypatch.delenv(pk_entry.COMPILE_APART_ENV)
     monkeypatch.setattr(pk_entry.sys, "executable", "false")  # a child that fails at once
-    child = pk_entry.compile_apart(cold)
-    assert child is not None
-    entry = pk_entry.finish(child, cold)
-    assert child.returncode != 0 and entry._cache_hits == 0 and answer(entry) == 42
+    ahead = pk_entry.compile_ahead([first])
+    assert ahead is not None
+    entry = pk_entry.compiled(first)
+    assert ahead.process.returncode != 0 and entry._cache_hits == 0 and answer(entry) == 42
     assert "compiling it here instead" in caplog.text
+
+
+def test_a_killed_child_forgets_its_entries(cold) -> None:
+    first, second = cold
+    ahead = pk_entry.compile_ahead([first, second])
+    ahead.kill()
+    assert id(first) not in pk_entry._ahead and id(second) not in pk_entry._ahead
+    assert answer(pk_entry.compiled(first)) == 42
+
+
+def test_a_real_decode_runs_the_loop_compiled_for_the_childs_signature() -> None:
+    """The child compiles the decode loop for pk_runtime.decode_signature() before any runtime exists; a runtime's
+    real arguments must have exactly those types, or the process compiles the loop a second time."""
+    import torch
+    from yirage_backend_cpu import pk_runtime
+
+    from yirage.models.config import LlamaConfig
+    from yirage.models.llama import LlamaModel
+
+    config = LlamaConfig.from_dict({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                    "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                    "vocab_size": 96})
+    gen = torch.Generator().manual_seed(0)
+    model = LlamaModel(config, {n: torch.randn(s, generator=gen) * 0.2 for n, s in config.weight_shapes().items()})
+    model.reset_cache(1, 8)
+    tokens, step = torch.zeros(1, 8, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    model.build_decoder(step, tokens, backend="cpu")(2)
+    assert pk_runtime.decode.signatures == [pk_runtime.decode_signature()]

@@ -375,6 +375,54 @@ def test_k_quant_tensors_match_ggml_and_transformers(tmp_path, qtype) -> None:
         assert torch.equal(tensor, expected[name]), f"{qtype}: {name} differs from transformers"
 
 
+# -- the header reader (yirage.models.gguf_file) against gguf.GGUFReader ------------------------------------------
+VALUES = [("t.u8", 7, "UINT8"), ("t.i8", -7, "INT8"), ("t.u16", 65535, "UINT16"), ("t.i16", -300, "INT16"),
+          ("t.u32", 4_000_000_000, "UINT32"), ("t.i32", -2**31, "INT32"), ("t.f32", 0.1, "FLOAT32"),
+          ("t.bool", True, "BOOL"), ("t.u64", 2**64 - 1, "UINT64"), ("t.i64", -2**63, "INT64"),
+          ("t.f64", 0.1, "FLOAT64"), ("t.str", "ünïcödé 中文", "STRING"), ("t.empty", "", "STRING")]
+
+
+@pytest.mark.parametrize("endian", ["LITTLE", "BIG"])
+def test_the_header_reader_reads_what_gguf_reader_reads(tmp_path, llama_model, endian) -> None:
+    from yirage.models.gguf_file import read_file
+
+    path = tmp_path / f"{endian}.gguf"
+    w = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian[endian])
+    for key, value, kind in VALUES:
+        w.add_key_value(key, value, gguf.GGUFValueType[kind])
+    w.add_key_value("t.ints", [1, -2, 3], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+    w.add_key_value("t.floats", [0.5, -1e-3], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32)
+    w.add_token_list(BYTE_TOKENS)
+    w.add_token_merges(["a b", "ü 中"])
+    rng = np.random.default_rng(SEED)
+    values = {}  # each tensor's values, dequantized by gguf from the native-order data written
+    for qtype in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"):
+        a = rng.standard_normal((8, 64)).astype(np.float32)
+        data = a.astype(np.float16) if qtype == "F16" else a if qtype == "F32" else gguf.quants.quantize(a, Q[qtype])
+        values[f"w.{qtype}"] = gguf.quants.dequantize(data, Q[qtype])
+        w.add_tensor(f"w.{qtype}", data.copy(), raw_dtype=None if qtype in ("F32", "F16") else Q[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = read_file(path), gguf.GGUFReader(str(path))
+    assert list(ours.fields) == [k for k in theirs.fields if not k.startswith("GGUF.")]
+    for key, field in ours.fields.items():
+        want = theirs.fields[key]
+        assert field.types == want.types, key
+        got, expected = field.contents(), want.contents()
+        assert got == expected and type(got) is type(expected), key
+        if isinstance(got, list):
+            assert len(field.data) == len(want.data) and {type(x) for x in got} == {type(x) for x in expected}, key
+    assert ours.fields["t.str"].contents() == "ünïcödé 中文" and ours.fields["t.u64"].contents() == 2**64 - 1
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for t, want in zip(ours.tensors, theirs.tensors, strict=True):
+        assert t.tensor_type == want.tensor_type and t.shape == tuple(int(n) for n in want.shape), t.name
+        assert t.data.dtype == want.data.dtype and t.data.shape == want.data.shape, t.name
+        assert np.array_equal(t.data, want.data), t.name
+        assert np.array_equal(dequantize_tensor(t), values[t.name]), t.name  # big-endian floats too
+
+
 # -- clear errors -------------------------------------------------------------------------------------------
 def test_a_file_that_is_not_gguf_is_refused(tmp_path, llama_model) -> None:
     junk = tmp_path / "model.gguf"

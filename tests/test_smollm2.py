@@ -126,3 +126,28 @@ def test_smollm2_config_and_tokenizer_come_from_the_file(smollm2_path) -> None:
     assert config.tie_embeddings and config.eos_token_id == (EOS,) and config.bos_token_id == 1
     assert info.tensor_types == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
     assert info.chat_template.startswith("{% for message in messages %}")
+
+
+def test_the_engines_tokenizer_is_the_one_autotokenizer_builds(smollm2_path) -> None:
+    """The engine builds the GGUF tokenizer without AutoTokenizer's detour through AutoConfig (engine._tokenizer_class):
+    what it encodes, decodes and renders must be what AutoTokenizer's does."""
+    from yirage.engine import _gguf_tokenizer
+    from yirage.models.gguf import open_gguf, read_config
+
+    ours, why = _gguf_tokenizer(read_config(open_gguf(smollm2_path), smollm2_path)[1])
+    assert ours is not None, why
+    theirs = transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+    texts = ["What is the capital of France?", "  leading spaces\tand tabs\n\nnewlines", "ünïcödé, 中文, emoji 🙂",
+             "<|im_start|>user\nspecial tokens inline<|im_end|>", "1234567890 3.14159 -42", ""]
+    for text in texts:
+        ids = theirs(text)["input_ids"]
+        assert ours(text)["input_ids"] == ids, text
+        assert ours.decode(ids) == theirs.decode(ids) and ours.decode(ids, skip_special_tokens=True) == \
+            theirs.decode(ids, skip_special_tokens=True), text
+    messages = [{"role": "user", "content": texts[0]}, {"role": "assistant", "content": "Paris."},
+                {"role": "user", "content": texts[2]}]
+    assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert (ours.bos_token, ours.eos_token, ours.unk_token, ours.pad_token) == \
+        (theirs.bos_token, theirs.eos_token, theirs.unk_token, theirs.pad_token)
+    assert len(ours) == len(theirs)

@@ -45,9 +45,11 @@ FRAME_SLOTS = 26
 # (0: not needed): Q8_0 / Q4_0 projections (pk_quant.linear_q_entry), attention over 16-bit KV caches
 # (pk_tasks.narrow_attention_entry), sampling (pk_tasks.sample_entry), attention over float32 caches
 # (pk_tasks.float_attention_entry: apart so that the process compiles it while a child compiles execute). A float
-# model that decodes greedily compiles none of the first three: 42 -> 31 s cold, then about 3 s less.
-QUANT_ENTRY, NARROW_ATTENTION_ENTRY, SAMPLE_ENTRY, FLOAT_ATTENTION_ENTRY = 0, 1, 2, 3
-ENTRY_COUNT = 4
+# model that decodes greedily compiles none of the first three: 42 -> 31 s cold, then about 3 s less. The
+# projections (pk_tasks.linear_entry), which every model needs, are an entry point of their own so that their code
+# is compiled once for the decode's execute and the prompt's projections (prompt_linear), not into both.
+QUANT_ENTRY, NARROW_ATTENTION_ENTRY, SAMPLE_ENTRY, FLOAT_ATTENTION_ENTRY, LINEAR_ENTRY = 0, 1, 2, 3, 4
+ENTRY_COUNT = 5
 _lock = threading.Lock()
 logger = logging.getLogger("yirage.cpu")
 
@@ -64,7 +66,10 @@ def task_entry(pyfunc: Any, signature: Any = ENTRY_SIGNATURE) -> CFunc:
 
 
 def compiled(entry: CFunc) -> CFunc:
-    """``entry``, compiled (or loaded from numba's cache) once per process."""
+    """``entry``, compiled (or loaded from numba's cache) once per process; where a ``compile_ahead`` child is on it,
+    after that child has put it in the cache (or failed: then it is compiled here)."""
+    if entry.address is None:
+        wait_ahead(entry)
     with _lock:
         if entry.address is None:
             entry.compile()
@@ -82,41 +87,92 @@ def cached(entry: CFunc) -> bool:
 
 #: ``YIRAGE_CPU_COMPILE_APART=0``: compile every entry point in the process that needs it (no child process)
 COMPILE_APART_ENV = "YIRAGE_CPU_COMPILE_APART"
+_ahead: dict[int, Ahead] = {}  # id(entry) -> the child compiling it (entries are module globals: ids are stable)
 
 
-def compile_apart(entry: CFunc) -> subprocess.Popen | None:
-    """Start compiling ``entry`` in a child process that writes numba's cache, so this process can compile the rest
-    at the same time: on a cold cache two cores compile at once. The child imports the module that defines the
-    entry, on this process's import path. ``compiled(entry)`` then loads the child's code; see ``finish``. None
-    (nothing started) where the entry is compiled or cached already, where numba caches nothing (the child's work
-    would be lost), where no module attribute holds the entry, or where ``YIRAGE_CPU_COMPILE_APART=0``."""
-    if os.environ.get(COMPILE_APART_ENV, "1").strip() == "0" or isinstance(entry._cache, NullCache):
+class Ahead:
+    """A child process compiling entry points one after another into numba's cache, saying each one's name on its
+    stdout when it is there: ``wait_for`` waits for that line, not for the whole list. Started by ``compile_ahead``.
+    """
+
+    def __init__(self, process: subprocess.Popen, names: dict[int, str]) -> None:
+        self.process, self.names, self.done = process, names, set()
+        self._lock = threading.Lock()
+
+    def wait_for(self, job: Any) -> None:
+        """Wait until the child has done ``job`` or has ended (a failure is logged; the caller then compiles it
+        itself). Interrupted (Ctrl-C), the child is killed."""
+        name = self.names[id(job)]
+        with self._lock:
+            try:
+                while name not in self.done:
+                    line = self.process.stdout.readline()
+                    if not line:
+                        self._ended(name)
+                        return
+                    self.done.add(line.decode(errors="replace").strip())
+            except BaseException:
+                self.kill()
+                raise
+
+    def _ended(self, name: str) -> None:
+        err = self.process.stderr.read()
+        self.process.wait()
+        logger.warning("compiling %s in a child process failed (exit %s); compiling it here instead: %s", name,
+                       self.process.returncode, err.decode(errors="replace")[-2000:])
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        with _lock:
+            for key in [k for k, v in _ahead.items() if v is self]:
+                del _ahead[key]
+
+
+def wait_ahead(job: Any) -> None:
+    """Where a ``compile_ahead`` child has ``job`` (an entry point or a compile function) on its list, wait until it
+    is done (or the child has ended); else return at once."""
+    with _lock:
+        ahead = _ahead.pop(id(job), None)
+    if ahead is not None:
+        ahead.wait_for(job)
+
+
+def compile_ahead(jobs: list[Any]) -> Ahead | None:
+    """Start ``jobs``, in this order, in a child process that writes numba's cache, so this process can compile the
+    rest at the same time: on a cold cache two cores compile at once. A job is an entry point (``task_entry``),
+    compiled there, or a function of no arguments that compiles something cached (a numba function for a fixed
+    signature), called there. The child imports the modules that define the jobs, on this process's import path;
+    ``compiled(entry)`` (or ``wait_ahead(job)``) then waits for the child's word and loads its code from the cache.
+    Skipped: entries compiled or cached already, jobs already on a child's list, and jobs no module attribute
+    holds. None (nothing started) where no entry point of the list is left to compile (the functions' code is
+    then cached too: they are compiled together), where numba caches nothing (the child's work would be lost),
+    or where ``YIRAGE_CPU_COMPILE_APART=0``."""
+    if os.environ.get(COMPILE_APART_ENV, "1").strip() == "0":
         return None
-    module = sys.modules.get(entry.__module__)
-    name = next((k for k, v in vars(module).items() if v is entry), None) if module is not None else None
-    if name is None or cached(entry):
+    todo: dict[int, tuple[str, str, bool]] = {}
+    for job in jobs:
+        module = sys.modules.get(job.__module__)
+        name = next((k for k, v in vars(module).items() if v is job), None) if module is not None else None
+        entry = isinstance(job, CFunc)
+        if name is None or id(job) in _ahead or (entry and (isinstance(job._cache, NullCache) or cached(job))):
+            continue
+        todo[id(job)] = (job.__module__, name, entry)
+    if not any(entry for _, _, entry in todo.values()):
         return None
-    code = (f"from yirage_backend_cpu.pk_entry import compiled\nfrom {entry.__module__} import {name}\n"
-            f"compiled({name})\n")
+    lines = ["import sys", "from yirage_backend_cpu.pk_entry import compiled"]
+    for module, name, entry in todo.values():
+        lines += [f"from {module} import {name}", f"compiled({name})" if entry else f"{name}()",
+                  f"print({module + ':' + name!r}, flush=True)"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, env=env)
-
-
-def finish(child: subprocess.Popen | None, entry: CFunc) -> CFunc:
-    """Wait for ``compile_apart``'s child and return ``entry`` compiled: loaded from the cache the child wrote, or,
-    where the child failed (its error is logged), compiled here. Interrupted (Ctrl-C), the child is killed."""
-    if child is not None:
-        try:
-            _, err = child.communicate()
-        finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-        if child.returncode != 0:
-            logger.warning("compiling %s in a child process failed (exit %s); compiling it here instead: %s",
-                           entry.__name__, child.returncode, err.decode(errors="replace")[-2000:])
-    return compiled(entry)
+    process = subprocess.Popen([sys.executable, "-c", "\n".join(lines)], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    ahead = Ahead(process, {key: f"{module}:{name}" for key, (module, name, _) in todo.items()})
+    with _lock:
+        for key in todo:
+            _ahead[key] = ahead
+    return ahead
 
 
 def recompile(entry: CFunc) -> None:

@@ -47,15 +47,26 @@ from yirage_backend_cpu.pk_comm import ERR_COMM, ERR_PIPE, FLAG_SLOTS, Communica
 from yirage_backend_cpu.pk_entry import (
     ENTRY_COUNT,
     FLOAT_ATTENTION_ENTRY,
+    LINEAR_ENTRY,
     NARROW_ATTENTION_ENTRY,
     QUANT_ENTRY,
     SAMPLE_ENTRY,
-    compile_apart,
+    compile_ahead,
     compiled,
-    finish,
     task_frame,
+    wait_ahead,
 )
-from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q4_BYTES, Q8_0, Q8_0G, Q8_BYTES, dtype_code, quantized_entry
+from yirage_backend_cpu.pk_quant import (
+    Q4_0,
+    Q4_0G,
+    Q4_BYTES,
+    Q8_0,
+    Q8_0G,
+    Q8_BYTES,
+    dtype_code,
+    is_quantized,
+    quantized_entry,
+)
 from yirage_backend_cpu.pk_split import attention_chunks, expand, fold_profile
 from yirage_backend_cpu.pk_tasks import (
     ATT_KC,
@@ -87,6 +98,7 @@ from yirage_backend_cpu.pk_tasks import (
     execute_entry,
     float_attention_entry,
     i64s,
+    linear_entry,
     narrow_attention_entry,
     pick_rows,
     sample_entry,
@@ -185,12 +197,18 @@ def run_role(w, is_sched, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, e
 @njit(**OPTS)
 def member(w, total, n_workers, sync, ctl, task_q, ev_q, pending, counts, waits, trigger, ev_ptr, ev_list, gate_ptr,
            gate_list, entry, frame, scratch, batch, step, tokens, tok_cols, flags, profile, picked, active, eos,
-           max_seq, max_steps, steps_run):  # type: ignore[no-untyped-def]
+           max_seq, max_steps, steps_run, single):  # type: ignore[no-untyped-def]
     """Thread ``w`` of the team for every step of the run (pk_team): its role, then the barrier; the last thread
-    to arrive runs the serial section and opens the next step."""
+    to arrive runs the serial section and opens the next step. ``single``: its role in the current step only
+    (decode's fallback, one parallel region per step, after the team could not gather)."""
+    if single:
+        run_role(w, 1 if w >= n_workers else 0, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, ev_list,
+                 gate_ptr, gate_list, entry, frame, scratch, flags, profile,
+                 profile.shape[0] > 0 and atomic_load(sync, STEPS) == 0)
+        return
     if gather(sync, total, flags) != GO:
         return  # decode() runs the steps one region at a time instead
-    gen = 0
+    gen = np.int64(0)
     while True:
         run_role(w, 1 if w >= n_workers else 0, ctl, task_q, ev_q, pending, counts, trigger, ev_ptr, ev_list,
                  gate_ptr, gate_list, entry, frame, scratch, flags, profile,
@@ -217,7 +235,9 @@ def decode(addr, tdt, tnum, lp, lf, task_layer, task_index, ev_ptr, ev_list, wai
            scratch, scr, profile, steps_run, flags, entry, entries):  # type: ignore[no-untyped-def]
     """The run: one team of threads for every step; each task goes through ``entry`` (pk_entry: the task bodies
     are compiled once, behind a C entry point, not into this loop); ``entries``: the addresses of the bodies
-    compiled apart (pk_entry.ENTRY_COUNT of them, 0 where the model needs none)."""
+    compiled apart (pk_entry.ENTRY_COUNT of them, 0 where the model needs none). One parallel region in the
+    code, run once for the team, or once per step where the team could not gather: a second region would
+    compile the threads' code a second time (1-2 s on a cold cache)."""
     n_tasks = task_layer.shape[0]
     n_events = trigger.shape[0]
     task_q = np.empty(n_tasks, np.int64)
@@ -236,24 +256,24 @@ def decode(addr, tdt, tnum, lp, lf, task_layer, task_index, ev_ptr, ev_list, wai
             waits, task_q, ev_q, pending, counts, ctl, eos, max_seq, batch, tokens, tok_cols, step, active) == 0:
         return 0
     total = n_workers + n_sched
-    for w in prange(total):  # one team for every step (pk_team)
-        member(np.int64(w), total, n_workers, sync, ctl, task_q, ev_q, pending, counts, waits, trigger, ev_ptr,
-               ev_list, gate_ptr, gate_list, entry, frame, scratch[w * scr:(w + 1) * scr], batch, step, tokens,
-               tok_cols, flags, profile, picked, active, eos, max_seq, max_steps, steps_run)
-    # sync is read through atomic loads after the region: numba's parfor pass moved plain reads of it (an array
-    # it does not see written in the loop body, only passed to a call) to before the region
-    if atomic_load(sync, STATE) == ABORT:  # the threads did not all run at once: one region per step
-        while True:
-            profiling = profile.shape[0] > 0 and atomic_load(sync, STEPS) == 0
-            for w in prange(total):
-                run_role(np.int64(w), 1 if w >= n_workers else 0, ctl, task_q, ev_q, pending, counts, trigger,
-                         ev_ptr, ev_list, gate_ptr, gate_list, entry, frame, scratch[w * scr:(w + 1) * scr], flags,
-                         profile, profiling)
-            if end_step(sync, flags, batch, tokens, tok_cols, step, picked, active, steps_run) == 0 \
-                    or atomic_load(sync, STEPS) >= max_steps or atomic_load(flags, STOP) != 0 or begin_step(
-                        waits, task_q, ev_q, pending, counts, ctl, eos, max_seq, batch, tokens, tok_cols, step,
-                        active) == 0:
-                break
+    single = False  # the team first (pk_team); after an ABORT, one region per step
+    while True:
+        for w in prange(total):
+            member(np.int64(w), total, n_workers, sync, ctl, task_q, ev_q, pending, counts, waits, trigger, ev_ptr,
+                   ev_list, gate_ptr, gate_list, entry, frame, scratch[w * scr:(w + 1) * scr], batch, step, tokens,
+                   tok_cols, flags, profile, picked, active, eos, max_seq, max_steps, steps_run, single)
+        # sync is read through atomic loads after the region: numba's parfor pass moved plain reads of it (an
+        # array it does not see written in the loop body, only passed to a call) to before the region
+        if not single:
+            if atomic_load(sync, STATE) != ABORT:
+                break  # the team ran every step
+            single = True  # the threads did not all run at once: the step begun above runs next, alone
+            continue
+        if end_step(sync, flags, batch, tokens, tok_cols, step, picked, active, steps_run) == 0 \
+                or atomic_load(sync, STEPS) >= max_steps or atomic_load(flags, STOP) != 0 or begin_step(
+                    waits, task_q, ev_q, pending, counts, ctl, eos, max_seq, batch, tokens, tok_cols, step,
+                    active) == 0:
+            break
     return atomic_load(sync, STEPS)
 
 
@@ -413,39 +433,48 @@ class CPUPersistentRuntime:
             split[layer] = chunks
         return split
 
+    def _needs(self) -> tuple[bool, bool, bool, bool]:
+        """(quantized matrices, attention over 16-bit caches, over float32 caches, a sampling picker)."""
+        attention = [self.tdt[row[ATT_KC]] for row in self.lp if row[C_KIND] == ATTN]
+        return (any(is_quantized.py_func(int(c)) for c in self.tdt), any(c != F32 for c in attention),
+                any(c == F32 for c in attention), any(row[C_KIND] == SAMPLE for row in self.lp))
+
     def _entries(self) -> np.ndarray:
         """The addresses of the task bodies compiled apart (pk_entry.ENTRY_COUNT), each compiled now if this
-        program needs it (quantized matrices; attention over 16-bit caches; a sampling picker), else 0. Worked out
-        on the first run and kept: a generation stepped one token per call runs this once, not per token."""
+        program needs it (the projections; quantized matrices; attention over 16-bit or float32 caches; a sampling
+        picker), else 0. Worked out on the first run and kept: a generation stepped one token per call runs this
+        once, not per token."""
         if self.entries is not None:
             return self.entries
+        quant, narrow, wide, samples = self._needs()
         entries = np.zeros(ENTRY_COUNT, np.int64)
+        entries[LINEAR_ENTRY] = int(compiled(linear_entry).address)
         entries[QUANT_ENTRY] = quantized_entry(self.tdt)
-        narrow = any(row[C_KIND] == ATTN and self.tdt[row[ATT_KC]] != F32 for row in self.lp)
         entries[NARROW_ATTENTION_ENTRY] = int(compiled(narrow_attention_entry).address) if narrow else 0
-        wide = any(row[C_KIND] == ATTN and self.tdt[row[ATT_KC]] == F32 for row in self.lp)
         entries[FLOAT_ATTENTION_ENTRY] = int(compiled(float_attention_entry).address) if wide else 0
-        samples = any(row[C_KIND] == SAMPLE for row in self.lp)
-        entries[SAMPLE_ENTRY] = int(compiled(sample_entry).address) if samples else 0
+        entries[SAMPLE_ENTRY] = self._sample_entry()
         self.entries = entries
         return entries
 
+    def _sample_entry(self) -> int:
+        return int(compiled(sample_entry).address) if self._needs()[3] else 0
+
     def _execute(self, args: tuple[Any, ...]) -> Any:
-        """``execute``'s entry point, compiled. On a cold cache a child process compiles it while this one compiles
-        the decode loop and the entries this model needs (``pk_entry.compile_apart``): on 2 cores the first
-        decode's compile takes about the larger of the two, not their sum."""
-        if execute_entry.address is not None:
-            return execute_entry
-        child = compile_apart(execute_entry)
-        if child is not None:
+        """``execute``'s entry point, compiled, and the decode loop compiled for ``args``. On a cold cache a child
+        process compiles both (``ahead``; started by Backend.prepare_decode, or here) while this one compiles the
+        projections, the attention and the other bodies this model needs (``_entries``): on 2 cores the first
+        decode's compile takes about the larger share, not the sum."""
+        if execute_entry.address is None:
+            started = compile_ahead(ahead())
             try:
                 self._entries()
-                decode.compile(tuple(numba.typeof(a) for a in (*args, execute_entry, np.zeros(ENTRY_COUNT, np.int64))))
+                wait_ahead(compile_decode)
+                decode.compile(decode_types((*args, execute_entry, self.entries)))  # the child's, from the cache
             except BaseException:  # Ctrl-C or a compile error here: the child's work is not waited for
-                child.kill()
-                child.wait()
+                if started is not None:
+                    started.kill()
                 raise
-        return finish(child, execute_entry)
+        return compiled(execute_entry)
 
     def value(self, name: str) -> Any:
         return self.values[name]
@@ -457,7 +486,7 @@ class CPUPersistentRuntime:
         x, out = self.values[picker.inputs["input"].name], self.values[picker.output.name]
         x.copy_(logits)
         pick_rows(self.lp, self.lf, picker.index, x.view(-1).numpy(), self.program.step.numpy(),
-                  out.view(-1).numpy(), self.program.batch, self._entries()[SAMPLE_ENTRY])
+                  out.view(-1).numpy(), self.program.batch, self._sample_entry())
         return out[:, 0]
 
     def stop(self) -> None:
@@ -536,6 +565,34 @@ class CPUPersistentRuntime:
                 out[3 * task + 1] = int((profile[3 * task + 1] - origin) * ns_per_cycle)
                 out[3 * task + 2] = int(profile[3 * task + 2])
         return int(steps)
+
+
+def decode_types(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """numba's types of ``decode``'s arguments: what it is compiled for."""
+    from numba.experimental import function_type  # noqa: F401 - registers numba.typeof for C callbacks (entry)
+
+    return tuple(numba.typeof(a) for a in args)
+
+
+def decode_signature() -> tuple[Any, ...]:
+    """The types every runtime calls ``decode`` with (tests/test_compile_apart.py checks a real run's), so that a
+    child can compile it before any runtime exists (``compile_decode``)."""
+    ints, n = np.zeros(1, np.int64), 0
+    return decode_types((ints, ints, ints, np.zeros((1, 1), np.int64), np.zeros((1, 1), np.float64), *(ints,) * 8,
+                         n, n, n, ints, n, n, n, n, n, n, np.zeros(1, np.float32), n, ints, ints, ints, execute_entry,
+                         np.zeros(ENTRY_COUNT, np.int64)))
+
+
+def compile_decode() -> None:
+    """The decode loop, compiled for ``decode_signature`` (a ``compile_ahead`` job)."""
+    decode.compile(decode_signature())
+
+
+def ahead() -> list[Any]:
+    """What a child compiles ahead for a decode (pk_entry.compile_ahead): the decode loop and execute, about half of a
+    cold compile; the process keeps the projections (the prompt's prefill needs them first), the attention, the
+    quantized and sampling bodies, the picker."""
+    return [compile_decode, execute_entry]
 
 
 @njit(cache=True)

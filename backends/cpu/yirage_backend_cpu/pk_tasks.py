@@ -57,6 +57,7 @@ from yirage_backend_cpu.kernel_lib import (
 from yirage_backend_cpu.pk_comm import communicate
 from yirage_backend_cpu.pk_entry import (
     FLOAT_ATTENTION_ENTRY,
+    LINEAR_ENTRY,
     NARROW_ATTENTION_ENTRY,
     QUANT_ENTRY,
     SAMPLE_ENTRY,
@@ -231,7 +232,7 @@ def row_tail(xs, b, k, w_addr, w_dtype, nn, chunks, s):  # type: ignore[no-untyp
     return s
 
 
-@njit(**OPTS)
+@njit(inline="always", **OPTS)
 def linear(xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias, work, quant):
     # type: ignore[no-untyped-def]
     """Rows n0..n1 of x @ W.T: the float tiles, or Q8_0 / Q4_0 blocks through ``quant``, the address of
@@ -247,6 +248,32 @@ def linear(xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias, work
         for b in range(batch):
             for n in range(n0, n1):
                 out[b * out_cols + n] = np.float32(np.nan)
+
+
+def _linear_c(x, x_len, batch, k, w_addr, w_dtype, n0, n1, out, out_len, out_cols, res, res_len, bias, bias_len, work,
+              work_len, quant):  # type: ignore[no-untyped-def]
+    linear(f32s(x, x_len), batch, k, w_addr, w_dtype, n0, n1, f32s(out, out_len), out_cols, f32s(res, res_len),
+           f32s(bias, bias_len), f32s(work, work_len), quant)
+
+
+# linear behind a C entry point (pk_entry.LINEAR_ENTRY): its tiles are compiled once, not into execute and again
+# into the prompt's projections (prompt_linear); on a cold cache that was 4 of execute's 11 s of compile
+linear_entry = task_entry(_linear_c, types.void(*(types.int64,) * 18))
+
+
+@njit(inline="always", **OPTS)
+def call_linear(entry, xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias, work, quant):
+    # type: ignore[no-untyped-def]
+    """``linear(...)`` through ``linear_entry``'s address ``entry`` (0: none compiled; the rows come out NaN rather
+    than a call to address 0)."""
+    if entry == 0:
+        for b in range(batch):
+            for n in range(n0, n1):
+                out[b * out_cols + n] = np.float32(np.nan)
+        return
+    call_c(entry, (xs.ctypes.data, xs.shape[0], batch, k, w_addr, w_dtype, n0, n1, out.ctypes.data, out.shape[0],
+                   out_cols, res.ctypes.data, res.shape[0], bias.ctypes.data, bias.shape[0], work.ctypes.data,
+                   work.shape[0], quant))
 
 
 # -- RoPE, attention, pickers ---------------------------------------------------------------
@@ -409,7 +436,7 @@ def combine_chunks(parts, chunks, group, d, out):  # type: ignore[no-untyped-def
             o[i] = o[i] / total
 
 
-@njit(**OPTS)
+@njit(inline="always", **OPTS)
 def attention_task(layer, t, qkv, kc, vc, code, step, cos, sin, out, n_out, lp, addr, tnum, scratch):
     # type: ignore[no-untyped-def]
     """Attention task ``t`` of ``layer``: KV head (b, g) = divmod(t // chunks, kv_heads), chunk t % chunks of
@@ -425,12 +452,13 @@ def attention_task(layer, t, qkv, kc, vc, code, step, cos, sin, out, n_out, lp, 
     pos = step[b]
     n = pos + 1
     row = out[b * n_out + g * group * d:][:group * d]
-    if chunks == 1:
-        attention(qkv, b, g, group, d, pos, kc, vc, code, seq, kv_heads, cos, sin, 0, n, row, d, True, scratch)
+    whole = chunks == 1  # not the constants True / False, nor 0 below: numba would compile attention once for each
+    if whole:
+        attention(qkv, b, g, group, d, pos, kc, vc, code, seq, kv_heads, cos, sin, c * n, n, row, d, whole, scratch)
         return
     parts = f32s(addr[lp[layer, C_PARTS]], tnum[lp[layer, C_PARTS]])[head * chunks * group * (d + 2):]
     attention(qkv, b, g, group, d, pos, kc, vc, code, seq, kv_heads, cos, sin, c * n // chunks,
-              (c + 1) * n // chunks, parts[c * group * (d + 2):], d + 2, False, scratch)
+              (c + 1) * n // chunks, parts[c * group * (d + 2):], d + 2, whole, scratch)
     arrived = i64s(addr[lp[layer, C_ARRIVED]], tnum[lp[layer, C_ARRIVED]])
     if atomic_add(arrived, head, 1) == chunks - 1:  # sequentially consistent: every chunk's sums are visible
         atomic_store(arrived, head, 0)
@@ -644,13 +672,13 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
             for i in range(kk):
                 ob[i] = xb[i] * inv * g[i]
         bias = f32s(addr[lp[layer, RMS_BIAS]], n) if lp[layer, RMS_BIAS] >= 0 else none
-        linear(xs, batch, k, addr[lp[layer, RMS_W]], tdt[lp[layer, RMS_W]], n0, n0 + cols, out, n, none, bias,
-               scratch[batch * k:], entries[QUANT_ENTRY])
+        call_linear(entries[LINEAR_ENTRY], xs, batch, k, addr[lp[layer, RMS_W]], tdt[lp[layer, RMS_W]], n0, n0 + cols,
+                    out, n, none, bias, scratch[batch * k:], entries[QUANT_ENTRY])
     elif kind == LINRES:
         x = f32s(addr[lp[layer, LIN_X]], batch * k)
         res = f32s(addr[lp[layer, LIN_RES]], batch * n)
-        linear(x, batch, k, addr[lp[layer, LIN_W]], tdt[lp[layer, LIN_W]], n0, n0 + cols, out, n, res, none,
-               scratch[batch * k:], entries[QUANT_ENTRY])
+        call_linear(entries[LINEAR_ENTRY], x, batch, k, addr[lp[layer, LIN_W]], tdt[lp[layer, LIN_W]], n0, n0 + cols,
+                    out, n, res, none, scratch[batch * k:], entries[QUANT_ENTRY])
     elif kind == SILURES:
         gu = f32s(addr[lp[layer, SILU_X]], batch * 2 * k)
         res = f32s(addr[lp[layer, SILU_RES]], batch * n)
@@ -661,8 +689,8 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
             ob = xs[b * kk:][:k]
             for i in range(kk):
                 ob[i] = fsilu(gb[i]) * gb[kk + i]
-        linear(xs, batch, k, addr[lp[layer, SILU_W]], tdt[lp[layer, SILU_W]], n0, n0 + cols, out, n, res, none,
-               scratch[batch * k:], entries[QUANT_ENTRY])
+        call_linear(entries[LINEAR_ENTRY], xs, batch, k, addr[lp[layer, SILU_W]], tdt[lp[layer, SILU_W]], n0,
+                    n0 + cols, out, n, res, none, scratch[batch * k:], entries[QUANT_ENTRY])
     elif kind == ATTN:
         kci, vci = lp[layer, ATT_KC], lp[layer, ATT_VC]
         # float32 caches, or bfloat16 / float16 bits (both caches: one dtype): each behind its own entry point

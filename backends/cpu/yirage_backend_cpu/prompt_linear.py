@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from numba import njit, prange, types
+from numba import njit, prange
 
 from yirage_backend_cpu.bf16_dot import bf16_parts, usable
 from yirage_backend_cpu.kernel_lib import FASTMATH
-from yirage_backend_cpu.pk_entry import compiled, task_entry
+from yirage_backend_cpu.pk_entry import compiled
 from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q8_0, Q8_0G, quantized_entry
-from yirage_backend_cpu.pk_tasks import BF16, F16, F32, f32s, linear
+from yirage_backend_cpu.pk_tasks import BF16, F16, F32, call_linear, linear_entry
 from yirage_backend_cpu.quant_group import GROUP
 from yirage_backend_cpu.repacked import block_code, grouped
 from yirage_backend_cpu.sources import tie_caches_to_sources
@@ -55,24 +55,15 @@ FLOAT_ROWS = {torch.bfloat16: MAX_NARROW_ROWS, torch.float16: MAX_NARROW_ROWS, t
 FLOAT_CODES = {torch.bfloat16: BF16, torch.float16: F16, torch.float32: F32}  # weight dtype -> pk_tasks' code
 
 
-def _linear_part(x, m, k, w_addr, code, n0, n1, out, n, work, work_len, quant):  # type: ignore[no-untyped-def]
-    none = f32s(work, 0)
-    linear(f32s(x, m * k), m, k, w_addr, code, n0, n1, f32s(out, m * n), n, none, none, f32s(work, work_len), quant)
-
-
-# pk_tasks.linear on one part of W, behind a C entry point (pk_entry: compiled once, not into the parallel region)
-linear_part = task_entry(_linear_part, types.void(*(types.int64,) * 12))
-
-
 @njit(parallel=True, fastmath=FASTMATH, error_model="numpy", nogil=True, cache=True)
-def linear_parts(xs, m, k, addrs, codes, n0s, n1s, out, n, work, part, quant):  # type: ignore[no-untyped-def]
-    """pk_tasks.linear (float tiles or quantized groups, through ``part``: ``linear_part``) over each part
-    (address, code, rows n0..n1) of W, the parts in one parallel region (numba's OpenMP team, which torch's
-    threads share): a pool thread woken per call cost 75-90 us, 10 ms of a 16-token SmolLM2 prefill's 120
+def linear_parts(xs, m, k, addrs, codes, n0s, n1s, out, n, work, entry, quant):  # type: ignore[no-untyped-def]
+    """pk_tasks.linear (float tiles or quantized groups) through ``entry`` (pk_tasks.linear_entry's address) over
+    each part (address, code, rows n0..n1) of W, the parts in one parallel region (numba's OpenMP team, which
+    torch's threads share): a pool thread woken per call cost 75-90 us, 10 ms of a 16-token SmolLM2 prefill's 120
     projections."""
+    none = work[0][:0]
     for p in prange(addrs.shape[0]):
-        part(np.int64(xs.ctypes.data), m, k, addrs[p], codes[p], n0s[p], n1s[p], np.int64(out.ctypes.data), n,
-             np.int64(work[p].ctypes.data), work.shape[1], quant)
+        call_linear(entry, xs, m, k, addrs[p], codes[p], n0s[p], n1s[p], out, n, none, none, work[p], quant)
 
 
 class PromptLinear:
@@ -131,7 +122,7 @@ class PromptLinear:
         out = np.empty(m * n, np.float32)
         addrs, codes, n0s, n1s = (np.array(column, np.int64) for column in zip(*parts, strict=True))
         work_space = np.empty((len(parts), work), np.float32)
-        entry, quant = compiled(linear_part), quantized_entry(codes)
+        entry, quant = int(compiled(linear_entry).address), quantized_entry(codes)
         guard(lambda _: linear_parts(xs, m, k, addrs, codes, n0s, n1s, out, n, work_space, entry, quant))(None)
         return torch.from_numpy(out).view(m, n)
 
