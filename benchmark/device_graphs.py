@@ -10,7 +10,8 @@ unit-sphere residual, two routed experts, Chameleon's norm after a projection, a
 decode-time shapes. Inputs are made on the CPU (seeded), moved to the backend's torch device once, and both sides
 read the same tensors. Each graph's output is first checked against torch eager (float64 on the CPU) and a wrong
 graph gets no figure. Timing: implementations interleaved call by call, each call synchronised on the device, median
-of ``--calls`` after warm-up; ratio = torch median / yirage median (> 1: yirage is faster). With ``--superoptimize``
+of ``--calls`` after warm-up; ratio = torch median / yirage median (> 1: yirage is faster); on a device each row
+also splits a call into the host's enqueueing and the device's span (events). With ``--superoptimize``
 the graph's superoptimized plan (``g.superoptimize()``: fusion plans verified against a float64 oracle and timed on
 the device, then the backend's schedule knobs, the winner cached) is timed beside them, with the winning plan named.
 """
@@ -124,8 +125,18 @@ def time_interleaved(impls: dict[str, Callable[[], Any]], device: Any, calls: in
     """``{name}_us``: the median of ``calls`` timed calls of each implementation, interleaved call by call and each
     synchronised on the device, after 3 warm-up rounds (cuBLAS handles, caches). The order is shuffled every round
     (seeded): a call pays for what the call before it left behind (on a CPU, torch's OpenMP threads still spinning
-    for a while), so no implementation may always follow the same one."""
+    for a while), so no implementation may always follow the same one.
+
+    On a device, also ``{name}_host_us`` (the call's return, before the synchronisation: what the host spent
+    enqueueing) and ``{name}_device_us`` (device events recorded around the call on the current stream: the
+    device's span from the first launch to the last, idle gaps the host left included), so that a slow graph
+    tells launch overhead from slow kernels."""
+    import torch
+
     times: dict[str, list[float]] = {k: [] for k in impls}
+    host: dict[str, list[float]] = {k: [] for k in impls}
+    span: dict[str, list[float]] = {k: [] for k in impls}
+    on_device = device.type != "cpu"
     for _ in range(3):
         for fn in impls.values():
             fn()
@@ -135,11 +146,23 @@ def time_interleaved(impls: dict[str, Callable[[], Any]], device: Any, calls: in
         shuffle(order)
         for name, fn in order:
             sync(device)
+            if on_device:
+                first, last = (torch.Event(device=device, enable_timing=True) for _ in range(2))
+                first.record()
             start = time.perf_counter()
             fn()
+            enqueued = time.perf_counter()
+            if on_device:
+                last.record()
             sync(device)
             times[name].append((time.perf_counter() - start) * 1e6)
-    return {f"{k}_us": statistics.median(v) for k, v in times.items() if v}
+            if on_device:
+                host[name].append((enqueued - start) * 1e6)
+                span[name].append(first.elapsed_time(last) * 1e3)
+    out = {f"{k}_us": statistics.median(v) for k, v in times.items() if v}
+    out.update({f"{k}_host_us": statistics.median(v) for k, v in host.items() if v})
+    out.update({f"{k}_device_us": statistics.median(v) for k, v in span.items() if v})
+    return out
 
 
 def run_case(case: Case, backend: str, device: Any, calls: int, superoptimize: bool = False,
@@ -213,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             extra = (f"  superoptimized {r['superopt_us']:.1f} us ({r['torch_over_superopt']:.2f}x torch, "
                      f"plan {r['superopt_plan']})") if "superopt_us" in r else ""
+            split = (f"  host/device us: yirage {r['yirage_host_us']:.1f}/{r['yirage_device_us']:.1f}, torch "
+                     f"{r['torch_host_us']:.1f}/{r['torch_device_us']:.1f}") if "yirage_host_us" in r else ""
             print(f"{r['graph']:18} {r['backend']:8} {r['yirage_us']:10.1f} {r['torch_us']:10.1f} "
-                  f"{r['torch_over_yirage']:11.2f}x{extra}")
+                  f"{r['torch_over_yirage']:11.2f}x{split}{extra}")
     ratios = [r["torch_over_yirage"] for r in rows if "torch_over_yirage" in r]
     if ratios:
         print(f"median torch/yirage over {len(ratios)} graphs: {statistics.median(ratios):.2f}x")

@@ -20,6 +20,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 from typing import Any
 
@@ -87,7 +88,8 @@ def cached(entry: CFunc) -> bool:
 
 #: ``YIRAGE_CPU_COMPILE_APART=0``: compile every entry point in the process that needs it (no child process)
 COMPILE_APART_ENV = "YIRAGE_CPU_COMPILE_APART"
-_ahead: dict[int, Ahead] = {}  # id(entry) -> the child compiling it (entries are module globals: ids are stable)
+_ahead: dict[int, Ahead] = {}  # id(job) -> the child compiling it (jobs are module globals: ids are stable)
+_starting = threading.Lock()
 
 
 class Ahead:
@@ -95,8 +97,8 @@ class Ahead:
     stdout when it is there: ``wait_for`` waits for that line, not for the whole list. Started by ``compile_ahead``.
     """
 
-    def __init__(self, process: subprocess.Popen, names: dict[int, str]) -> None:
-        self.process, self.names, self.done = process, names, set()
+    def __init__(self, process: subprocess.Popen, names: dict[int, str], errors: Any) -> None:
+        self.process, self.names, self.done, self.errors = process, names, set(), errors
         self._lock = threading.Lock()
 
     def wait_for(self, job: Any) -> None:
@@ -111,15 +113,17 @@ class Ahead:
                         self._ended(name)
                         return
                     self.done.add(line.decode(errors="replace").strip())
+                if self.done >= set(self.names.values()):
+                    self.process.wait()  # it exits after its last word: reaped, not left a zombie
             except BaseException:
                 self.kill()
                 raise
 
     def _ended(self, name: str) -> None:
-        err = self.process.stderr.read()
         self.process.wait()
+        self.errors.seek(0)
         logger.warning("compiling %s in a child process failed (exit %s); compiling it here instead: %s", name,
-                       self.process.returncode, err.decode(errors="replace")[-2000:])
+                       self.process.returncode, self.errors.read().decode(errors="replace")[-2000:])
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -151,6 +155,11 @@ def compile_ahead(jobs: list[Any]) -> Ahead | None:
     or where ``YIRAGE_CPU_COMPILE_APART=0``."""
     if os.environ.get(COMPILE_APART_ENV, "1").strip() == "0":
         return None
+    with _starting:  # two threads making engines at once start one child, not two for the same jobs
+        return _start(jobs)
+
+
+def _start(jobs: list[Any]) -> Ahead | None:
     todo: dict[int, tuple[str, str, bool]] = {}
     for job in jobs:
         module = sys.modules.get(job.__module__)
@@ -166,9 +175,10 @@ def compile_ahead(jobs: list[Any]) -> Ahead | None:
         lines += [f"from {module} import {name}", f"compiled({name})" if entry else f"{name}()",
                   f"print({module + ':' + name!r}, flush=True)"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    errors = tempfile.TemporaryFile()  # not a pipe: a child writing more than a pipe holds would block on it
     process = subprocess.Popen([sys.executable, "-c", "\n".join(lines)], stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    ahead = Ahead(process, {key: f"{module}:{name}" for key, (module, name, _) in todo.items()})
+                               stdout=subprocess.PIPE, stderr=errors, env=env)
+    ahead = Ahead(process, {key: f"{module}:{name}" for key, (module, name, _) in todo.items()}, errors)
     with _lock:
         for key in todo:
             _ahead[key] = ahead
