@@ -35,7 +35,7 @@ def warm(dtype: str) -> float:
     model.reset_cache(1, 16)
     tokens, step = torch.zeros(1, 16, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
     start = time.perf_counter()
-    resolve("cpu", "prewarm").prepare_decode()  # the decode loop in a child from now on, as InferEngine does
+    resolve("cpu", "prewarm").prepare_decode(model.kv_dtype)  # the decode in a child from now, as InferEngine does
     model.build_decoder(step, tokens, backend="cpu")(4)
     if dtype == "float32":  # the sampling picker (GenerationConfig(do_sample=True)), compiled apart
         model.build_decoder(step, tokens, backend="cpu", sampling={"temperature": 0.8, "top_k": 8, "seed": 1})(1)

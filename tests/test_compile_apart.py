@@ -1,10 +1,11 @@
 """pk_entry.compile_ahead: on a cold cache a child process compiles entry points, in order, while this one compiles
-the rest; ``compiled`` then waits for the child's word on the entry it needs and loads the child's code from numba's
-cache (a cache hit, not a second compile)."""
+the rest; ``compiled`` then waits for the child's word on an entry it has started and loads the child's code from
+numba's cache (a cache hit, not a second compile), and takes back an entry it has not reached."""
 
 from __future__ import annotations
 
 import ctypes
+import time
 
 import numpy as np
 import pytest
@@ -36,18 +37,39 @@ def answer(entry) -> int:
     return int(out[0])
 
 
-def test_cold_entries_are_compiled_by_a_child_and_loaded_here_from_the_cache(cold) -> None:
+def until(condition, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the child did not get there in time"
+        time.sleep(0.01)
+
+
+def test_entries_the_child_compiled_are_loaded_here_from_its_cache(cold) -> None:
     first, second = cold
     ahead = pk_entry.compile_ahead([first, second])
     assert ahead is not None
     assert pk_entry.compile_ahead([first, second]) is None  # both are on their way: nothing more to start
-    entry = pk_entry.compiled(second)  # waits for the child's word on this one
+    until(lambda: len(ahead.started) == 1)
+    entry = pk_entry.compiled(first)  # started by the child: waited for
     assert entry._cache_hits == 1, "loaded from the child's cache, not compiled here"
-    assert answer(entry) == 43
-    assert pk_entry.compiled(first)._cache_hits == 1 and answer(first) == 42
-    ahead.process.wait(timeout=60)
-    assert ahead.process.returncode == 0
+    assert answer(entry) == 42
+    until(lambda: ahead.ended)
+    assert ahead.process.returncode == 0 and pk_entry.compiled(second)._cache_hits == 1 and answer(second) == 43
     assert pk_entry.compile_ahead([first, second]) is None  # compiled now: nothing to start
+
+
+def test_entries_the_child_has_not_reached_are_taken_back_and_it_is_stopped(cold, tmp_path, monkeypatch) -> None:
+    slow = tmp_path / "slow-python"
+    slow.write_text("#!/bin/sh\nexec sleep 60\n")  # a child that never gets to its first job
+    slow.chmod(0o755)
+    monkeypatch.setattr(pk_entry.sys, "executable", str(slow))
+    first, second = cold
+    ahead = pk_entry.compile_ahead([first, second])
+    assert answer(pk_entry.compiled(first)) == 42 and first._cache_hits == 0  # compiled here, not waited for
+    assert ahead.process.poll() is None  # its second job is still its own
+    assert answer(pk_entry.compiled(second)) == 43 and second._cache_hits == 0
+    until(lambda: ahead.ended)  # nothing left for it: stopped
+    assert ahead.process.returncode < 0
 
 
 def test_nothing_starts_when_turned_off_and_a_failed_child_leaves_the_compile_here(cold, monkeypatch, caplog) -> None:
@@ -58,6 +80,7 @@ def test_nothing_starts_when_turned_off_and_a_failed_child_leaves_the_compile_he
     monkeypatch.setattr(pk_entry.sys, "executable", "false")  # a child that fails at once
     ahead = pk_entry.compile_ahead([first])
     assert ahead is not None
+    until(lambda: ahead.ended)
     entry = pk_entry.compiled(first)
     assert ahead.process.returncode != 0 and entry._cache_hits == 0 and answer(entry) == 42
     assert "compiling it here instead" in caplog.text

@@ -146,7 +146,7 @@ class InferEngine:
         self.backend = (current_backend(need="persistent") if backend is None
                         else resolve(backend, "InferEngine(backend=...)", need="persistent"))
         if self.tp == 1:  # a JIT backend starts compiling the decode now, beside the load, tokenizer and prefill
-            self.backend.prepare_decode()
+            self.backend.prepare_decode(kv_dtype)
         if self.tp > 1:
             from yirage.distributed.tp_model import open_tp_model
 

@@ -348,11 +348,11 @@ class Backend:
         """
         return None
 
-    def prepare_decode(self) -> None:
-        """Start, in the background, the compiles every PersistentKernel decode on this backend needs (a JIT's first
-        compile), and return at once; the default: nothing to start. InferEngine calls it before it loads the
-        model, so that the compile overlaps the engine's own work (the load, the tokenizer, the prompt's prefill)
-        instead of following it."""
+    def prepare_decode(self, kv_dtype: Any = None) -> None:
+        """Start, in the background, the compiles a PersistentKernel decode with KV caches of ``kv_dtype`` (None:
+        float32) will need on this backend (a JIT's first compile), and return at once; the default: nothing.
+        InferEngine calls it before it loads the model, so that the compile overlaps the engine's own work (the
+        load, the tokenizer, the prompt's prefill) instead of following it."""
 
     def collective_backend(self) -> str | None:
         """The torch.distributed backend ("gloo", "nccl", "hccl", ...) that moves this device's tensors between

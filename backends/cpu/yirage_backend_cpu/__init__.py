@@ -77,13 +77,13 @@ class CPUBackend(yirage.Backend):
 
         return prompt_linear()
 
-    def prepare_decode(self) -> None:
-        """On a cold numba cache, a child process starts compiling the decode loop and its task dispatcher now
-        (pk_runtime.ahead), while the engine loads the model, builds its tokenizer and runs the prefill."""
-        from yirage_backend_cpu.pk_entry import compile_ahead
-        from yirage_backend_cpu.pk_runtime import ahead
+    def prepare_decode(self, kv_dtype: Any = None) -> None:
+        """On a cold numba cache, a child process starts compiling the decode loop, its task dispatcher and the
+        attention now (pk_runtime.ahead), while the engine loads the model, builds its tokenizer and runs the
+        prefill."""
+        from yirage_backend_cpu.pk_runtime import compile_ahead_for
 
-        compile_ahead(ahead())
+        compile_ahead_for(kv_dtype)
 
     def collective_backend(self) -> str | None:
         """Ranks of a tensor-parallel run exchange host memory: gloo (yirage.distributed)."""

@@ -93,34 +93,59 @@ _starting = threading.Lock()
 
 
 class Ahead:
-    """A child process compiling entry points one after another into numba's cache, saying each one's name on its
-    stdout when it is there: ``wait_for`` waits for that line, not for the whole list. Started by ``compile_ahead``.
-    """
+    """A child process compiling jobs one after another into numba's cache, saying ``start:NAME`` and ``done:NAME``
+    on its stdout (a thread here reads them). ``wait_for(job)`` waits for a job the child has started; a job it has
+    not reached yet is taken back (``wait_for`` returns False: the caller compiles it, both cores stay busy), and
+    a child whose remaining jobs were all taken back is stopped. Started by ``compile_ahead``."""
 
     def __init__(self, process: subprocess.Popen, names: dict[int, str], errors: Any) -> None:
-        self.process, self.names, self.done, self.errors = process, names, set(), errors
-        self._lock = threading.Lock()
+        self.process, self.names, self.errors = process, names, errors
+        self.started: set[str] = set()
+        self.done: set[str] = set()
+        self.taken: set[str] = set()
+        self.ended = False
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read, name="yirage-compile-ahead", daemon=True).start()
 
-    def wait_for(self, job: Any) -> None:
-        """Wait until the child has done ``job`` or has ended (a failure is logged; the caller then compiles it
-        itself). Interrupted (Ctrl-C), the child is killed."""
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            word, _, name = line.decode(errors="replace").strip().partition(":")
+            with self._changed:
+                (self.started if word == "start" else self.done).add(name)
+                if word == "start" and name in self.taken and self._idle():
+                    self.process.kill()  # what it would compile from here on is compiled here already
+                self._changed.notify_all()
+        self.process.wait()  # reaped, not left a zombie
+        with self._changed:
+            self.ended = True
+            self._changed.notify_all()
+
+    def _idle(self) -> bool:
+        return set(self.names.values()) <= self.done | self.taken
+
+    def wait_for(self, job: Any) -> bool:
+        """True once the child has ``job`` in the cache; False where the caller must compile it: the child has not
+        started it (it is taken back) or it ended without it (a failure is logged). Interrupted (Ctrl-C), the
+        child is killed."""
         name = self.names[id(job)]
-        with self._lock:
-            try:
-                while name not in self.done:
-                    line = self.process.stdout.readline()
-                    if not line:
-                        self._ended(name)
-                        return
-                    self.done.add(line.decode(errors="replace").strip())
-                if self.done >= set(self.names.values()):
-                    self.process.wait()  # it exits after its last word: reaped, not left a zombie
-            except BaseException:
-                self.kill()
-                raise
+        try:
+            with self._changed:
+                if name not in self.started and not self.ended:
+                    self.taken.add(name)
+                    if self._idle():
+                        self.process.kill()
+                    return False
+                while name not in self.done and not self.ended:
+                    self._changed.wait()
+                if name in self.done:
+                    return True
+            self._failed(name)
+            return False
+        except BaseException:
+            self.kill()
+            raise
 
-    def _ended(self, name: str) -> None:
-        self.process.wait()
+    def _failed(self, name: str) -> None:
         self.errors.seek(0)
         logger.warning("compiling %s in a child process failed (exit %s); compiling it here instead: %s", name,
                        self.process.returncode, self.errors.read().decode(errors="replace")[-2000:])
@@ -135,8 +160,8 @@ class Ahead:
 
 
 def wait_ahead(job: Any) -> None:
-    """Where a ``compile_ahead`` child has ``job`` (an entry point or a compile function) on its list, wait until it
-    is done (or the child has ended); else return at once."""
+    """Where a ``compile_ahead`` child has ``job`` (an entry point or a compile function) on its list: wait for it
+    if the child has started it (or take it back, see ``Ahead.wait_for``); else return at once."""
     with _lock:
         ahead = _ahead.pop(id(job), None)
     if ahead is not None:
@@ -172,8 +197,8 @@ def _start(jobs: list[Any]) -> Ahead | None:
         return None
     lines = ["import sys", "from yirage_backend_cpu.pk_entry import compiled"]
     for module, name, entry in todo.values():
-        lines += [f"from {module} import {name}", f"compiled({name})" if entry else f"{name}()",
-                  f"print({module + ':' + name!r}, flush=True)"]
+        lines += [f"from {module} import {name}", f"print('start:{module}:{name}', flush=True)",
+                  f"compiled({name})" if entry else f"{name}()", f"print('done:{module}:{name}', flush=True)"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     errors = tempfile.TemporaryFile()  # not a pipe: a child writing more than a pipe holds would block on it
     process = subprocess.Popen([sys.executable, "-c", "\n".join(lines)], stdin=subprocess.DEVNULL,

@@ -465,7 +465,8 @@ class CPUPersistentRuntime:
         projections, the attention and the other bodies this model needs (``_entries``): on 2 cores the first
         decode's compile takes about the larger share, not the sum."""
         if execute_entry.address is None:
-            started = compile_ahead(ahead())
+            _, narrow, wide, _ = self._needs()
+            started = compile_ahead(ahead(narrow, wide))
             try:
                 self._entries()
                 wait_ahead(compile_decode)
@@ -588,11 +589,21 @@ def compile_decode() -> None:
     decode.compile(decode_signature())
 
 
-def ahead() -> list[Any]:
-    """What a child compiles ahead for a decode (pk_entry.compile_ahead): the decode loop and execute, about half of a
-    cold compile; the process keeps the projections (the prompt's prefill needs them first), the attention, the
-    quantized and sampling bodies, the picker."""
-    return [compile_decode, execute_entry]
+def ahead(narrow: bool, wide: bool) -> list[Any]:
+    """What a child compiles ahead for a decode (pk_entry.compile_ahead): the decode loop and execute, then the
+    attention over 16-bit (``narrow``) or float32 (``wide``) caches, which the process takes back where the child
+    has not reached it when it is needed (pk_entry.Ahead). The process keeps the projections (the prompt's prefill
+    needs them first), the quantized and sampling bodies and the picker."""
+    return [compile_decode, execute_entry] + [e for e, need in ((float_attention_entry, wide),
+                                                                (narrow_attention_entry, narrow)) if need]
+
+
+def compile_ahead_for(kv_dtype: Any) -> None:
+    """Backend.prepare_decode: the child of ``ahead`` for KV caches of ``kv_dtype`` (None: float32)."""
+    import torch
+
+    wide = kv_dtype in (None, torch.float32)
+    compile_ahead(ahead(not wide, wide))
 
 
 @njit(cache=True)
