@@ -115,3 +115,34 @@ def test_an_idle_worker_yields_or_sleeps_while_the_other_runs_a_long_task(tmp_pa
         pytest.skip("one worker thread here (numba's thread count): no worker waits for another")
     backoff = runtime.last_backoff
     assert backoff["yields"] + backoff["sleeps"] > 0, backoff
+
+
+def test_a_team_that_cannot_gather_decodes_one_region_per_step(zoo, monkeypatch) -> None:
+    """Two workers on one thread run one after the other, so the team's barrier could never fill: the gather gives
+    up (pk_team.GATHER_CYCLES) and decode runs each step in a parallel region of its own (pk_runtime.member's
+    ``single`` mode). The tokens and logits must still be transformers'."""
+    from yirage_backend_cpu.pk_runtime import CPUPersistentRuntime
+
+    monkeypatch.setattr(CPUPersistentRuntime, "effective", lambda self: (1, 2, 0))  # 1 thread, 2 workers
+    walls = []
+    real_run = CPUPersistentRuntime.run
+
+    def run(self, max_new_tokens=None):
+        start = time.perf_counter()
+        try:
+            return real_run(self, max_new_tokens)
+        finally:
+            walls.append(time.perf_counter() - start)
+
+    monkeypatch.setattr(CPUPersistentRuntime, "run", run)
+    model = zoo("llama-gqa")
+    steps = 6
+    ref = model.reference
+    reference = Reference(ref.ids, ref.tokens[:, :steps], ref.logits[:, :steps])
+    engine = InferEngine(model.path, backend="cpu", num_workers=2, num_local_schedulers=0)
+    result = engine.generate(ref.ids, GenerationConfig(max_new_tokens=steps, eos_token_id=(), output_logits=True))
+    assert_decode_matches(reference, result.tokens, result.logits, label=f"{model.label}, a team that cannot gather")
+    assert torch.equal(result.tokens, reference.tokens)
+    assert walls and min(walls) > 0.01, f"runs of {walls} s: the gather did not wait for the second thread"
+    whole = engine.generate(ref.ids, GenerationConfig(max_new_tokens=steps, eos_token_id=()))  # every step, one run
+    assert torch.equal(whole.tokens, reference.tokens)

@@ -229,7 +229,13 @@ def member(w, total, n_workers, sync, ctl, task_q, ev_q, pending, counts, waits,
             return
 
 
-@njit(parallel=True, fastmath=OPTS["fastmath"], error_model="numpy", nogil=True, cache=True)
+#: numba's parallel options with only ``prange`` on: decode's np.zeros calls would each become a parallel region of
+#: their own (3 of its 4), waking the thread pool three more times per call for arrays of a few elements
+PRANGE_ONLY = {"comprehension": False, "reduction": False, "inplace_binop": False, "setitem": False, "numpy": False,
+               "stencil": False, "fusion": False, "prange": True}
+
+
+@njit(parallel=PRANGE_ONLY, fastmath=OPTS["fastmath"], error_model="numpy", nogil=True, cache=True)
 def decode(addr, tdt, tnum, lp, lf, task_layer, task_index, ev_ptr, ev_list, waits, trigger, gate_ptr, gate_list,
            n_workers, n_sched, max_steps, eos, max_seq, batch, tokens_id, tok_cols, step_id, pick_id,
            scratch, scr, profile, steps_run, flags, entry, entries):  # type: ignore[no-untyped-def]
