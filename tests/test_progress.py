@@ -52,3 +52,16 @@ def test_an_error_in_the_step_propagates_and_stops_the_line(monkeypatch) -> None
     size = len(out.getvalue())
     time.sleep(0.2)
     assert len(out.getvalue()) == size  # the drawing thread has stopped
+
+
+def test_a_step_within_a_step_draws_no_line_of_its_own(monkeypatch) -> None:
+    monkeypatch.setenv("YIRAGE_PROGRESS", "1")
+    out = io.StringIO()
+    with working("outer", stream=out, every=0.05, after=0.05):
+        with working("inner", stream=out, every=0.05, after=0.05):
+            time.sleep(0.3)
+    assert "outer ..." in out.getvalue() and "inner" not in out.getvalue()
+    after = io.StringIO()
+    with working("again", stream=after, every=0.05, after=0.05):  # the outer step has ended: drawn again
+        time.sleep(0.2)
+    assert "again ..." in after.getvalue()

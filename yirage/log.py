@@ -57,14 +57,30 @@ def working(what: str, stream: Any = None, every: float = 1.0, after: float = 2.
     Nothing is shown on a stream that is not a terminal (logs, CI) unless ``YIRAGE_PROGRESS=1``, nor for a step
     shorter than ``after`` seconds (a warm cache), and ``YIRAGE_PROGRESS=0`` turns it off; the line is cleared
     when the step ends, so the program's own output is unchanged. A daemon thread draws it: the step itself runs
-    on the caller's thread, as it would without the indicator.
+    on the caller's thread, as it would without the indicator. Steps within a step (or in other threads meanwhile)
+    draw nothing of their own: one line at a time.
     """
     stream = sys.stderr if stream is None else stream
     setting = os.environ.get("YIRAGE_PROGRESS", "").strip()
     shown = setting == "1" or (setting != "0" and bool(getattr(stream, "isatty", lambda: False)()))
-    if not shown:
-        yield
-        return
+    with _drawing_lock:
+        nested = bool(_drawing)
+        _drawing.append(what)
+    try:
+        if not shown or nested:  # an enclosing step's line is already drawn: one line, the outermost step's
+            yield
+        else:
+            yield from _draw(what, stream, every, after)
+    finally:
+        with _drawing_lock:
+            _drawing.remove(what)
+
+
+_drawing: list[str] = []  # the steps in progress (working() calls, any thread): only the first draws
+_drawing_lock = threading.Lock()
+
+
+def _draw(what: str, stream: Any, every: float, after: float) -> Iterator[None]:
     done = threading.Event()
     start = time.monotonic()
 

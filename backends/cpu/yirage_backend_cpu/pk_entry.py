@@ -33,6 +33,7 @@ from numba.core.ccallback import CFunc
 from numba.core.sigutils import normalize_signature
 from numba.extending import intrinsic
 
+from yirage.log import working
 from yirage_backend_cpu.kernel_lib import FASTMATH, as_pointer
 from yirage_backend_cpu.sources import tie_caches_to_sources
 
@@ -70,11 +71,16 @@ def compiled(entry: CFunc) -> CFunc:
     """``entry``, compiled (or loaded from numba's cache) once per process; where a ``compile_ahead`` child is on it,
     after that child has put it in the cache (or failed: then it is compiled here)."""
     if entry.address is None:
-        wait_ahead(entry)
-    with _lock:
-        if entry.address is None:
-            entry.compile()
+        with working(COMPILING):
+            wait_ahead(entry)
+            with _lock:
+                if entry.address is None:
+                    entry.compile()
     return entry
+
+
+#: what a terminal shows while the cpu backend compiles (yirage.log.working: nothing within a warm cache's time)
+COMPILING = "compiling the cpu backend's decode kernels (numba; once per machine, then loaded from its cache)"
 
 
 def cached(entry: CFunc) -> bool:

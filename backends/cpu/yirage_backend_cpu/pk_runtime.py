@@ -37,6 +37,7 @@ from numba import njit, prange
 
 from yirage.backend.runtime_contract import PERSISTENT
 from yirage.errors import NotSupportedError
+from yirage.log import working
 from yirage.persistent import shutdown
 from yirage.persistent.guard import Snapshot, check_tensor, token_out_of_range
 from yirage.persistent.program import PersistentProgram
@@ -45,6 +46,7 @@ from yirage_backend_cpu.atomics import atomic_add, atomic_load, atomic_store, cy
 from yirage_backend_cpu.pk_calls import call_decode
 from yirage_backend_cpu.pk_comm import ERR_COMM, ERR_PIPE, FLAG_SLOTS, Communicator
 from yirage_backend_cpu.pk_entry import (
+    COMPILING,
     ENTRY_COUNT,
     FLOAT_ATTENTION_ENTRY,
     LINEAR_ENTRY,
@@ -474,9 +476,11 @@ class CPUPersistentRuntime:
             _, narrow, wide, _ = self._needs()
             started = compile_ahead(ahead(narrow, wide))
             try:
-                self._entries()
-                wait_ahead(compile_decode)
-                decode.compile(decode_types((*args, execute_entry, self.entries)))  # the child's, from the cache
+                with working(COMPILING):
+                    self._entries()
+                    wait_ahead(compile_decode)
+                    decode.compile(decode_types((*args, execute_entry, self.entries)))  # the child's, from the cache
+                    compiled(execute_entry)
             except BaseException:  # Ctrl-C or a compile error here: the child's work is not waited for
                 if started is not None:
                     started.kill()
