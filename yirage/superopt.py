@@ -12,10 +12,11 @@ Mirage searches kernel and thread-block graphs for the fastest equivalent progra
 Each candidate is compiled on the target backend and **verified before it is timed**: it runs on seeded random
 inputs (valid ids and lengths for embedding and attention inputs) and every output is compared with the graph
 evaluated in float64 by torch (``yirage.reference.verify``, the conformance kit's tolerances). A candidate that
-fails is never timed or chosen. The verified ones are timed on the target device in interleaved rounds, their order
-shuffled each round (warm-up first, then ``profile_iters`` calls per round, more for a fast candidate so that a
-batch lasts ``BATCH_SECONDS``, the device synchronized around each batch); a candidate replaces the current best
-only when its median beats it by more than either one's spread (and at least 2%), so noise does not pick a winner.
+fails is never timed or chosen. The verified ones are timed on the target device in rounds, their order shuffled
+each round and their calls interleaved one by one (warm-up first, then ``profile_iters`` calls per round, more for
+a fast candidate so that its calls last ``BATCH_SECONDS``, the device synchronized after each call); a candidate
+replaces the current best only when its median beats it by more than either one's spread (and at least 2%), so
+noise does not pick a winner.
 The default fusion, and each knob's current value, go first and win ties. The search stops trying new candidates
 once ``time_budget_s`` is spent (the report says so).
 
@@ -303,11 +304,14 @@ def _sync(backend: Any) -> Any:
 
 def _time(verified: list[_Candidate], inputs: list[Any], backend: Any, warmup: int, iters: int, rounds: int,
           deadline: float) -> _Candidate:
-    """Interleaved rounds of at least ``iters`` calls per candidate; the first keeps the lead unless clearly beaten.
+    """Rounds of at least ``iters`` calls per candidate; the first keeps the lead unless clearly beaten.
 
-    A batch lasts at least ``BATCH_SECONDS`` (more calls for a fast candidate, at most ``MAX_ITERS``): ten calls
-    of a 16 us graph are a 160 us batch, within the noise of one scheduler tick, and a winner picked from such
-    batches did not hold when measured again."""
+    A round's calls of all candidates are interleaved one by one, each synchronized (as benchmark/device_graphs.py
+    times graphs, and as a graph runs among other work): back to back, a parallel kernel of 30 us found numba's
+    threads still awake from its own previous call, won the search, and lost by 6% when measured interleaved
+    (nGPT's norm). A candidate's calls in a round last at least ``BATCH_SECONDS`` (more calls for a fast one, at
+    most ``MAX_ITERS``): ten calls of a 16 us graph are 160 us, within the noise of one scheduler tick, and a
+    winner picked from such rounds did not hold when measured again."""
     sync = _sync(backend)
     calls: dict[int, int] = {}
     for candidate in verified:
@@ -321,16 +325,19 @@ def _time(verified: list[_Candidate], inputs: list[Any], backend: Any, warmup: i
         calls[id(candidate)] = max(iters, min(MAX_ITERS, math.ceil(BATCH_SECONDS / once)))
     samples: dict[int, list[float]] = {id(c): [] for c in verified}
     order = list(verified)
-    shuffle = random.Random(0).shuffle  # a batch pays for what the one before it left: vary who goes before whom
+    shuffle = random.Random(0).shuffle  # a call pays for what the one before it left: vary who goes before whom
     for _ in _progress(range(rounds), "superoptimize: time"):
         shuffle(order)
-        for candidate in order:
-            n = calls[id(candidate)]
-            start = time.perf_counter()
-            for _ in range(n):
-                candidate.exe(inputs)
-            sync()
-            samples[id(candidate)].append((time.perf_counter() - start) / n * 1e6)
+        spent = {id(c): 0.0 for c in verified}
+        for i in range(max(calls.values())):  # the candidates' calls interleaved, one by one, each synchronized
+            for candidate in order:
+                if i < calls[id(candidate)]:
+                    start = time.perf_counter()
+                    candidate.exe(inputs)
+                    sync()
+                    spent[id(candidate)] += time.perf_counter() - start
+        for candidate in verified:
+            samples[id(candidate)].append(spent[id(candidate)] / calls[id(candidate)] * 1e6)
         if time.perf_counter() > deadline:
             break
     for candidate in verified:
