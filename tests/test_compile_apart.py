@@ -72,6 +72,34 @@ def test_entries_the_child_has_not_reached_are_taken_back_and_it_is_stopped(cold
     assert ahead.process.returncode < 0
 
 
+def test_a_forked_process_compiles_what_it_needs_instead_of_waiting_for_the_parents_child(cold, tmp_path,
+                                                                                           monkeypatch) -> None:
+    """The child is the parent's and its reader thread does not survive a fork: a forked process that waited for a
+    job the child had started would wait forever."""
+    import multiprocessing
+
+    stuck = tmp_path / "stuck-python"
+    stuck.write_text("#!/bin/sh\necho start:entry_probe:probe_entry\nexec sleep 60\n")  # starts, never finishes
+    stuck.chmod(0o755)
+    monkeypatch.setattr(pk_entry.sys, "executable", str(stuck))
+    first, _ = cold
+    ahead = pk_entry.compile_ahead([first])
+    until(lambda: ahead.started)
+    forked = multiprocessing.get_context("fork").Process(target=_answer_or_fail, args=(first,))
+    forked.start()
+    forked.join(timeout=60)
+    alive = forked.is_alive()
+    if alive:
+        forked.kill()
+    ahead.kill()
+    assert not alive and forked.exitcode == 0, "the forked process waited for its parent's child"
+
+
+def _answer_or_fail(entry) -> None:
+    if answer(pk_entry.compiled(entry)) != 42:
+        raise SystemExit(1)
+
+
 def test_nothing_starts_when_turned_off_and_a_failed_child_leaves_the_compile_here(cold, monkeypatch, caplog) -> None:
     first, _ = cold
     monkeypatch.setenv(pk_entry.COMPILE_APART_ENV, "0")

@@ -165,6 +165,19 @@ class Ahead:
                 del _ahead[key]
 
 
+def _forget_children() -> None:
+    """In a forked process: the compile-ahead children are the parent's, and their reader threads did not survive
+    the fork, so waiting for one would wait forever; this process compiles what it needs (and its locks are new:
+    another thread may have held them at the fork)."""
+    global _lock, _starting
+    _ahead.clear()
+    _lock, _starting = threading.Lock(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_children)
+
+
 def wait_ahead(job: Any) -> None:
     """Where a ``compile_ahead`` child has ``job`` (an entry point or a compile function) on its list: wait for it
     if the child has started it (or take it back, see ``Ahead.wait_for``); else return at once."""
