@@ -46,7 +46,7 @@ FRAME_SLOTS = 26
 # ``entries``: the addresses of the task bodies compiled apart, on first use, only for a model that needs them
 # (0: not needed): Q8_0 / Q4_0 projections (pk_quant.linear_q_entry), attention over 16-bit KV caches
 # (pk_tasks.narrow_attention_entry), sampling (pk_tasks.sample_entry), attention over float32 caches
-# (pk_tasks.float_attention_entry: apart so that the process compiles it while a child compiles execute). A float
+# (pk_tasks.float_attention_entry: apart so that it is compiled beside execute, not into it). A float
 # model that decodes greedily compiles none of the first three: 42 -> 31 s cold, then about 3 s less. The
 # projections (pk_tasks.linear_entry), which every model needs, are an entry point of their own so that their code
 # is compiled once for the decode's execute and the prompt's projections (prompt_linear), not into both.

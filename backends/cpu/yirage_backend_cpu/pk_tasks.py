@@ -494,7 +494,8 @@ def _float_attention_c(layer, t, qkv, qkv_n, kc, kc_n, vc, vc_n, code, step, ste
 
 
 # attention_task over float32 caches, behind its own entry point (pk_entry.FLOAT_ATTENTION_ENTRY): on a cold cache
-# the process compiles it while a child compiles execute (pk_entry.compile_apart), halving the larger share
+# it closes the compile-ahead child's list, and the process takes it back when the child has not reached it
+# (pk_runtime.ahead, pk_entry.Ahead)
 float_attention_entry = task_entry(_float_attention_c, types.void(*(types.int64,) * 26))
 
 
