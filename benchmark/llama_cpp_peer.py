@@ -51,8 +51,28 @@ def log(*args: Any) -> None:
     print("[llama.cpp]", *args, file=sys.stderr, flush=True)
 
 
+AMX_ENV = "YIRAGE_LLAMA_CPP_AMX"  # 0: build llama.cpp without AMX (where a sandbox makes its AMX matmul die)
+
+
+def amx_off() -> bool:
+    """``$YIRAGE_LLAMA_CPP_AMX=0``: build (and cache apart) a llama.cpp whose kernels use no AMX instruction."""
+    return os.environ.get(AMX_ENV, "1").strip() == "0"
+
+
+def cmake_flags() -> tuple[str, ...]:
+    """``CMAKE_FLAGS``, or with ``amx_off()`` the host's own instruction set without AMX: ``-march=native
+    -mno-amx-*`` as the compilers' flags (ggml's native mode appends ``-march=native`` after them, which would
+    turn AMX back on, so it is off, and its default x86 options only repeat what ``-march=native`` holds)."""
+    if not amx_off():
+        return CMAKE_FLAGS
+    native = "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    return (*(f for f in CMAKE_FLAGS if f != "-DGGML_NATIVE=ON"), "-DGGML_NATIVE=OFF",
+            f"-DCMAKE_C_FLAGS={native}", f"-DCMAKE_CXX_FLAGS={native}")
+
+
 def cache_dir(version: str = LLAMA_CPP_PYTHON) -> Path:
-    """Where the ``llama-bench`` of this llama-cpp-python version lives (created 0700 if missing)."""
+    """Where the ``llama-bench`` of this llama-cpp-python version lives (created 0700 if missing); a build
+    without AMX (``amx_off``) lives in its own ``-no-amx`` directory."""
     given = os.environ.get(ENV)
     if given:
         path = Path(given).expanduser().absolute()
@@ -64,7 +84,8 @@ def cache_dir(version: str = LLAMA_CPP_PYTHON) -> Path:
         return path
     from yirage.compiler.cache import private_dir, private_root
 
-    return private_dir(private_root() / "llama.cpp" / version)
+    variant = "-no-amx" if amx_off() else ""
+    return private_dir(private_root() / "llama.cpp" / f"{version}{variant}")
 
 
 @contextlib.contextmanager
@@ -145,7 +166,7 @@ def llama_binary(name: str, version: str = LLAMA_CPP_PYTHON) -> Path:
             tmp = Path(tmp_name)
             src = _unpack_sdist(tmp, version)
             build = tmp / "build"
-            _run(["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS], "configuring llama.cpp", quiet=True)
+            _run(["cmake", "-S", str(src), "-B", str(build), *cmake_flags()], "configuring llama.cpp", quiet=True)
             jobs = str(max(1, min(2, os.cpu_count() or 1)))
             targets = [arg for b in BINARIES for arg in ("--target", b)]
             _run(["cmake", "--build", str(build), "-j", jobs, *targets],
@@ -212,8 +233,7 @@ def bench_batched(gguf_path: str | Path, batch: int, prompt: int, gen: int, thre
            "--output-format", "jsonl"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
-        raise LlamaCppError(f"`{' '.join(cmd)}` failed (exit {done.returncode}): {done.stderr.strip()[-1500:]}; "
-                            "llama.cpp could not load or run the file: check it with yirage.models.gguf.read_gguf")
+        raise _failed(cmd, done)
     try:
         rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
         row = next(r for r in rows if r["pl"] == batch and r["pp"] == prompt and r["tg"] == gen)
@@ -243,8 +263,7 @@ def _llama_bench(gguf_path: str | Path, prompt: int, gen: int, threads: int, rep
            "-d", str(depth), "-fa", "0", "-o", "json"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
-        raise LlamaCppError(f"`{' '.join(cmd)}` failed (exit {done.returncode}): {done.stderr.strip()[-1500:]}; "
-                            "llama.cpp could not load or run the file: check it with yirage.models.gguf.read_gguf")
+        raise _failed(cmd, done)
     try:
         row = next(r for r in json.loads(done.stdout) if r.get("n_gen", 0) == gen and
                    r.get("n_prompt", 0) == prompt and r.get("n_depth", 0) == depth)
@@ -254,6 +273,19 @@ def _llama_bench(gguf_path: str | Path, prompt: int, gen: int, threads: int, rep
         raise LlamaCppError(f"cannot read llama-bench's JSON ({type(exc).__name__}: {exc}); output began "
                             f"{done.stdout[:300]!r}: the llama-bench output format changed, update "
                             "benchmark/llama_cpp_peer.py") from exc
+
+
+def _failed(cmd: list[str], done: subprocess.CompletedProcess[str]) -> LlamaCppError:
+    """Why a llama.cpp tool failed, with the fix: SIGILL is an instruction the machine refuses (AMX where a
+    sandbox grants it to the threads started after ggml asks, not to its running pool), else the file."""
+    head = f"`{' '.join(cmd)}` failed (exit {done.returncode}): {done.stderr.strip()[-1500:]}; "
+    if done.returncode in (-4, 132) and not amx_off():  # SIGILL, killed directly or through a shell
+        return LlamaCppError(head + "it died of an illegal instruction: the build targets this CPU "
+                             "(-march=native), so most likely its AMX matmul (a quantized prompt) met a sandbox "
+                             f"that does not let its threads use AMX; rerun with {AMX_ENV}=0 (a build without "
+                             "AMX, cached apart)")
+    return LlamaCppError(head + "llama.cpp could not load or run the file: check it with "
+                         "yirage.models.gguf.read_gguf")
 
 
 def export_smollm2(dtypes: tuple[str, ...] = BENCH_DTYPES, out_dir: Path | None = None) -> dict[str, Path]:

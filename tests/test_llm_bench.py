@@ -280,3 +280,61 @@ def test_the_script_exits_2_on_an_unparsable_list() -> None:
                           env={**os.environ, "PYTHONPATH": ""})
     assert done.returncode == 2, done.stderr
     assert "argument --input-len: '[16,' is not a positive integer" in done.stderr
+
+
+def test_llama_cpp_without_amx_is_built_for_this_cpu_minus_amx_and_cached_apart(monkeypatch: pytest.MonkeyPatch,
+                                                                               tmp_path: Path) -> None:
+    import llama_cpp_peer as peer
+
+    monkeypatch.delenv(peer.ENV, raising=False)
+    monkeypatch.setenv("YIRAGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(peer.AMX_ENV, raising=False)
+    assert peer.cmake_flags() == peer.CMAKE_FLAGS
+    native = peer.cache_dir()
+    monkeypatch.setenv(peer.AMX_ENV, "0")
+    flags = peer.cmake_flags()
+    assert "-DGGML_NATIVE=ON" not in flags and "-DGGML_NATIVE=OFF" in flags
+    for lang in ("C", "CXX"):  # ggml's native mode would append -march=native after these, turning AMX back on
+        assert f"-DCMAKE_{lang}_FLAGS=-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in flags
+    assert peer.cache_dir() != native and peer.cache_dir().name.endswith("-no-amx")
+
+
+def test_a_llama_cpp_tool_killed_by_sigill_names_amx_and_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import llama_cpp_peer as peer
+
+    monkeypatch.delenv(peer.AMX_ENV, raising=False)
+    cmd = ["llama-bench", "-m", "x.gguf"]
+    sigill = peer._failed(cmd, subprocess.CompletedProcess(cmd, -4, "", ""))
+    assert "illegal instruction" in str(sigill) and f"{peer.AMX_ENV}=0" in str(sigill)
+    other = peer._failed(cmd, subprocess.CompletedProcess(cmd, 1, "", "bad magic"))
+    assert "AMX" not in str(other) and "bad magic" in str(other) and "read_gguf" in str(other)
+    monkeypatch.setenv(peer.AMX_ENV, "0")  # already without AMX: the switch is no fix
+    assert peer.AMX_ENV not in str(peer._failed(cmd, subprocess.CompletedProcess(cmd, -4, "", "")))
+
+
+def test_the_acceptance_table_puts_peer_over_yirage_for_times_and_yirage_over_peer_for_rates() -> None:
+    import cpu_acceptance
+
+    def row(peer: str, batch: int, inp: int, out: int, ttft: float, itl: float, tok_s: float) -> dict:
+        stats = {"ttft_ms": ttft, "itl_ms": itl, "prefill_tok_s": tok_s}
+        return {"peer": peer, "batch_size": batch, "input_len": inp, "output_len": out, "status": "ok",
+                **{k: {"min": v, "median": v, "max": v} for k, v in stats.items()}}
+
+    rows = [row("yirage cpu", 1, 128, cpu_acceptance.PROMPT_OUT, 100.0, 0.0, 1280.0),
+            row("llama.cpp", 1, 128, cpu_acceptance.PROMPT_OUT, 150.0, 0.0, 640.0),
+            row("HF eager", 1, 128, cpu_acceptance.PROMPT_OUT, 50.0, 0.0, 2560.0),
+            row("yirage cpu", 4, 16, cpu_acceptance.DECODE_OUT, 0.0, 10.0, 0.0),
+            row("llama.cpp", 4, 16, cpu_acceptance.DECODE_OUT, 0.0, 12.0, 0.0),
+            {"peer": "HF eager", "batch_size": 4, "input_len": 16, "output_len": cpu_acceptance.DECODE_OUT,
+             "status": "skipped"}]
+    demo = {"process_s": 9.0, "first_answer_s": 5.0, "identical": True, "ttft_ms": 1.0, "ms_per_token": 1.0}
+    text = cpu_acceptance.table({"header": {"cpu": "Test CPU", "flags": ["avx2"], "logical_cpus": 2, "threads": 2},
+                                 "rounds": 3, "dtypes": {"f32": {"cold": demo, "warm": demo, "rows": rows}}})
+    lines = text.splitlines()
+    ttft = next(line for line in lines if line.strip().startswith("TTFT b1 in128")).split()
+    assert ttft[-2:] == ["1.50x", "0.50x"]  # llama.cpp 150 / 100 ms; HF 50 / 100 ms
+    prompt = next(line for line in lines if line.strip().startswith("prompt b1 in128")).split()
+    assert prompt[-2:] == ["2.00x", "0.50x"]  # yirage 1280 tok/s over llama.cpp's 640, HF's 2560
+    itl = next(line for line in lines if line.strip().startswith("ITL b4 in16")).split()
+    assert itl[-2:] == ["1.20x", "-"]  # a skipped peer has no figure
+    assert "Test CPU" in lines[0] and "equal to transformers'" in text
