@@ -327,6 +327,10 @@ def test_the_acceptance_table_puts_peer_over_yirage_for_times_and_yirage_over_pe
             row("llama.cpp", 4, 16, cpu_acceptance.DECODE_OUT, 0.0, 12.0, 0.0),
             {"peer": "HF eager", "batch_size": 4, "input_len": 16, "output_len": cpu_acceptance.DECODE_OUT,
              "status": "skipped"}]
+    tag = cpu_acceptance.PROMPT_BF16  # a second run, yirage's prompt in bf16: its peers are its own
+    rows += [row("yirage cpu" + tag, 1, 128, cpu_acceptance.PROMPT_OUT, 40.0, 0.0, 3200.0),
+             row("llama.cpp" + tag, 1, 128, cpu_acceptance.PROMPT_OUT, 160.0, 0.0, 800.0),
+             row("HF eager" + tag, 1, 128, cpu_acceptance.PROMPT_OUT, 60.0, 0.0, 2133.3)]
     demo = {"process_s": 9.0, "first_answer_s": 5.0, "identical": True, "ttft_ms": 1.0, "ms_per_token": 1.0}
     text = cpu_acceptance.table({"header": {"cpu": "Test CPU", "flags": ["avx2"], "logical_cpus": 2, "threads": 2},
                                  "rounds": 3, "dtypes": {"f32": {"cold": demo, "warm": demo, "rows": rows}}})
@@ -337,4 +341,6 @@ def test_the_acceptance_table_puts_peer_over_yirage_for_times_and_yirage_over_pe
     assert prompt[-2:] == ["2.00x", "0.50x"]  # yirage 1280 tok/s over llama.cpp's 640, HF's 2560
     itl = next(line for line in lines if line.strip().startswith("ITL b4 in16")).split()
     assert itl[-2:] == ["1.20x", "-"]  # a skipped peer has no figure
+    tagged = next(line for line in lines if line.strip().startswith("TTFT b1 in128, bf16 prompt")).split()
+    assert tagged[-2:] == ["4.00x", "1.50x"]  # against the peers of its own run
     assert "Test CPU" in lines[0] and "equal to transformers'" in text
