@@ -51,7 +51,7 @@ def log(*args: Any) -> None:
     print("[llama.cpp]", *args, file=sys.stderr, flush=True)
 
 
-AMX_ENV = "YIRAGE_LLAMA_CPP_AMX"  # 0: build llama.cpp without AMX (where a sandbox makes its AMX matmul die)
+AMX_ENV = "YIRAGE_LLAMA_CPP_AMX"  # 0: build llama.cpp without AMX (where its AMX matmul dies of SIGILL)
 
 
 def amx_off() -> bool:
@@ -276,13 +276,14 @@ def _llama_bench(gguf_path: str | Path, prompt: int, gen: int, threads: int, rep
 
 
 def _failed(cmd: list[str], done: subprocess.CompletedProcess[str]) -> LlamaCppError:
-    """Why a llama.cpp tool failed, with the fix: SIGILL is an instruction the machine refuses (AMX where a
-    sandbox grants it to the threads started after ggml asks, not to its running pool), else the file."""
+    """Why a llama.cpp tool failed, with the fix: SIGILL is an instruction the machine refuses (seen: ggml's
+    AMX matmul on an Emerald Rapids VM whose kernel granted AMX; its ``tilezero`` faulted in a worker thread
+    while a standalone probe of the same steps ran), else the file."""
     head = f"`{' '.join(cmd)}` failed (exit {done.returncode}): {done.stderr.strip()[-1500:]}; "
     if done.returncode in (-4, 132) and not amx_off():  # SIGILL, killed directly or through a shell
         return LlamaCppError(head + "it died of an illegal instruction: the build targets this CPU "
-                             "(-march=native), so most likely its AMX matmul (a quantized prompt) met a sandbox "
-                             f"that does not let its threads use AMX; rerun with {AMX_ENV}=0 (a build without "
+                             "(-march=native), so most likely its AMX matmul (a quantized prompt) met a machine "
+                             f"or sandbox that does not run AMX fully; rerun with {AMX_ENV}=0 (a build without "
                              "AMX, cached apart)")
     return LlamaCppError(head + "llama.cpp could not load or run the file: check it with "
                          "yirage.models.gguf.read_gguf")
