@@ -18,6 +18,7 @@ from yirage.distributed.sharding import ShardError
 from yirage.models.llama import LlamaModel
 
 transformers = pytest.importorskip("transformers")
+from llm_oracle import REL_TOL  # noqa: E402
 from test_distributed import NEW_TOKENS, PROMPT, SEED, TINY, run_ranks, saved  # noqa: E402, F401 - saved: fixture
 
 TP_DECODE = """
@@ -85,7 +86,12 @@ def test_two_ranks_fused_decode_equals_transformers_single_rank_and_reference(sa
         tokens, fused, ref_tokens, ref_logits, comm = result[str(dtype)]
         assert torch.equal(tokens, ref_tokens), dtype
         scale = (ref_logits.amax(-1) - ref_logits.amin(-1))[..., None]
-        assert ((fused - ref_logits).abs() / scale).max() < 1e-4, dtype  # every step, both shards of the row
+        # every step, both shards of the row. Float weights: the same products as the reference, summed in another
+        # order. Q8_0: the kernels scale each block's sum once (d * sum(q * x)) where the reference multiplies the
+        # dequantized weights (sum((d * q) * x)): other roundings, within the decode tests' REL_TOL of transformers
+        # (1.0e-4 of the range was seen on an Intel Emerald Rapids pair of cores, under 1e-4 on an AMD EPYC)
+        tolerance = 1e-4 if dtype is None else REL_TOL
+        assert ((fused - ref_logits).abs() / scale).max() < tolerance, dtype
         assert torch.equal(tokens, greedy_single_rank_pk(saved["f32"], dtype, ids, NEW_TOKENS)), dtype
         assert comm["calls"] == 2 * TINY["num_hidden_layers"] + 1  # per step: 2 all-reduces a layer, 1 gather
     assert torch.equal(result["None"][0], want)
