@@ -8,9 +8,10 @@ a norm after a residual add, Qwen's pre-norm projection with bias, a wide softma
 residual, two routed experts, Chameleon's norm after a projection, a normalized MLP). Per graph: the search runs
 first (its time and winner are printed; a cache hit takes no time: pass ``--fresh`` to search again), then the
 default compile, the superoptimized graph, torch eager and torch.compile (where it compiles) are timed interleaved
-call by call, each call synchronized on the device, median of ``--calls``. Every implementation's output is checked
-against torch in float64 first; a wrong one gets no figure. Ratios are against torch eager measured in the same run
-(< 1: faster than torch).
+call by call, each call synchronized on the device, median of ``--calls``. A winner that is the default plan with
+the default schedule ("=default") is the same program: it is timed through the default's executable. Every
+implementation's output is checked against torch in float64 first; a wrong one gets no figure. Ratios are against
+torch eager measured in the same run (< 1: faster than torch).
 """
 
 from __future__ import annotations
@@ -49,7 +50,12 @@ def run(case: Case, backend: str, device: Any, calls: int, budget: float, fresh:
     except yr.YirageError as exc:
         return {**row, "error": f"{type(exc).__name__}: {exc}"}
     row.update(search_s=time.perf_counter() - start, winner=best.report.winner, from_cache=best.report.from_cache)
-    impls = {"default": lambda: default(inputs)[0], "superopt": lambda: best(inputs)[0],
+    # the search kept the default plan and schedule: the same program, timed through the default's executable (two
+    # compiles of one plan were seen 10-75% apart on a CPU, an artifact of where each one's memory lies)
+    same = (best.executable.plan.digest, best.executable.plan.schedule) == (default.plan.digest, default.plan.schedule)
+    row["same_program"] = same
+    impls = {"default": lambda: default(inputs)[0], "superopt": (lambda: default(inputs)[0]) if same else
+             (lambda: best(inputs)[0]),
              "torch": lambda: case.torch(*inputs)}
     if compiled:
         try:
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = " ".join(f"{r[c + '_us']:16.1f}" if c + "_us" in r else f"{'-':>16}" for c in cols)
         ratio = (f"{r['superopt_us'] / r['torch_us']:14.2f}x  {r['superopt_us'] / r['default_us']:15.2f}x"
                  if {"superopt_us", "torch_us", "default_us"} <= r.keys() else "")
-        cached = " (cached)" if r["from_cache"] else ""
+        cached = (" (cached)" if r["from_cache"] else "") + (" =default" if r.get("same_program") else "")
         print(f"{r['graph']:18} {r['search_s']:8.1f}  {(r['winner'] + cached)[:40]:40} {cells}  {ratio}", flush=True)
         for key in [k for k in r if k.endswith("_error")]:
             print(f"{'':18} {key[:-6]}: {r[key]}", flush=True)

@@ -270,4 +270,5 @@ def test_the_benchmark_times_every_implementation_of_a_graph(cache) -> None:
         sys.path.remove(str(bench))
     assert not [k for k in row if k.endswith("error")], row
     assert {"default_us", "superopt_us", "torch_us"} <= row.keys() and row["winner"], row
+    assert row["same_program"] == (row["winner"] == "fuse-all"), row  # the default plan, no knob: one program
     assert "torch.compile_us" in row or "did not compile" in row.get("torch.compile", ""), row
