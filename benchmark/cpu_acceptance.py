@@ -115,7 +115,7 @@ def table(results: dict[str, Any]) -> str:
                      f"; warm {warm['first_answer_s']:.2f} s; greedy tokens "
                      + {True: "equal to transformers'", False: "DIFFER from transformers'",
                         None: "not compared"}[warm["identical"]])
-        lines.append(f"  {'measure':<34}{'yirage':>12}{'llama.cpp':>12}{'HF eager':>12}{'vs llama.cpp':>14}"
+        lines.append(f"  {'measure':<38}{'yirage':>12}{'llama.cpp':>12}{'HF eager':>12}{'vs llama.cpp':>14}"
                      f"{'vs HF':>8}")
         rows = {(x["peer"], x["batch_size"], x["input_len"], x["output_len"]): x for x in r["rows"]}
         for peer, batch, inp, out in sorted(rows, key=lambda key: (key[3], key[0].endswith(PROMPT_BF16), key[1],
@@ -134,7 +134,7 @@ def table(results: dict[str, Any]) -> str:
                 cells = [f"{v:.2f}" if v is not None else "-" for v in (mine, *theirs)]
                 ratio_cells = [f"{v:.2f}x" if v is not None else "-" for v in ratios]
                 label = f"{what} b{batch} in{inp}{', bf16 prompt' if tag else ''} ({unit})"
-                lines.append(f"  {label:<34}{cells[0]:>12}{cells[1]:>12}{cells[2]:>12}{ratio_cells[0]:>14}"
+                lines.append(f"  {label:<38}{cells[0]:>12}{cells[1]:>12}{cells[2]:>12}{ratio_cells[0]:>14}"
                              f"{ratio_cells[1]:>8}")
     return "\n".join(lines)
 
