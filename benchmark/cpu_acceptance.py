@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -48,18 +47,13 @@ def log(*parts: Any) -> None:
 
 
 def cpu_header(threads: int) -> dict[str, Any]:
-    """The CPU's model name, which of ``FLAGS`` it lists, its logical CPUs and the threads every peer uses."""
-    model, flags = platform.processor() or "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    return {"cpu": model, "flags": [f for f in FLAGS if f in flags], "logical_cpus": os.cpu_count(), "threads": threads}
+    """The CPU's model name, which of ``FLAGS`` it lists, its logical CPUs and the threads every peer uses
+    (``yirage.system``'s host facts)."""
+    from yirage import system
+
+    facts, flags = system.host_facts(), system.cpu_flags()
+    return {"cpu": facts["cpu_model"], "flags": [f for f in FLAGS if f in flags],
+            "logical_cpus": facts["logical_cores"], "threads": threads}
 
 
 def demo(dtype: str, gguf: Path, cold: bool) -> dict[str, Any]:
