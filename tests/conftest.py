@@ -45,12 +45,15 @@ def unique(prefix: str) -> str:
 
 @pytest.fixture(autouse=True)
 def private_settings(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Keep the user's saved default backend (and yirage env vars) out of every test."""
+    """Keep the user's saved default backend (and yirage env vars) out of every test; fixed prompt row limits."""
     for key in ("YIRAGE_BACKEND", "YIRAGE_PLUGINS", "YIRAGE_DISABLE_PLUGIN_AUTOLOAD", "YIRAGE_LOG_LEVEL",
                 "YIRAGE_PROBE_TIMEOUT"):
         monkeypatch.delenv(key, raising=False)
     settings = tmp_path_factory.mktemp("settings")
     monkeypatch.setenv("YIRAGE_CONFIG_DIR", str(settings))
+    # the cpu backend's prompt projections by fixed row limits, not timed: which path a prefill takes must not
+    # depend on the machine's load during a test (tests/test_prompt_rows.py times them on purpose)
+    monkeypatch.setenv("YIRAGE_CPU_PROMPT_TILES", "fixed")
     return settings
 
 

@@ -1,6 +1,7 @@
 """The cpu backend's prompt projections over Q8_0 / Q4_0 blocks (prompt_linear.py) against float64 torch on the
 dequantized matrix, under the kernels' error model; the cases it leaves to torch; weights changed in place; and a
-quantized model's prefill through it against the torch prefill."""
+quantized model's prefill through it against the torch prefill. The tiles take every row count up to their cap
+here (``TILES``: prompt_rows.ALWAYS); when they run on a real prompt is test_prompt_rows.py's subject."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ if not yr.is_backend_available("cpu"):
 
 from yirage_backend_cpu import bf16_dot  # noqa: E402
 from yirage_backend_cpu import prompt_linear as pl  # noqa: E402
+from yirage_backend_cpu.prompt_rows import ALWAYS, CAPS  # noqa: E402
 
 SEED = 20261127
 FORMATS = ("q8_0", "q4_0")
+TILES = pl.PromptLinear(ALWAYS)  # the tiles wherever they can read W, up to their row cap
 
 
 def bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
@@ -34,12 +37,12 @@ def bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("m", [1, 5, 16, pl.MAX_ROWS])  # one row; four at a time and one left; a prompt
+@pytest.mark.parametrize("m", [1, 5, 16, CAPS["q8_0"]])  # one row; four at a time and one left; a prompt
 def test_rows_match_float64_on_the_dequantized_blocks(fmt: str, m: int) -> None:
     gen = torch.Generator().manual_seed(SEED + m)
     w = quantize(torch.randn(56, 96, generator=gen), fmt)
     x = torch.randn(m, 96, generator=gen) * torch.logspace(-2, 2, m)[:, None]
-    got = pl.PromptLinear()(x, w)
+    got = TILES(x, w)
     assert got is not None and got.shape == (m, 56) and got.dtype == torch.float32
     dense = w.dequantize().double()
     err = (got.double() - x.double() @ dense.t()).abs()
@@ -54,9 +57,9 @@ def test_the_thread_split_does_not_change_a_bit(fmt: str) -> None:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = pl.PromptLinear()(x, w)
+        one = TILES(x, w)
         torch.set_num_threads(3)
-        three = pl.PromptLinear()(x, w)
+        three = TILES(x, w)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, three)
@@ -67,17 +70,17 @@ def test_the_thread_split_does_not_change_a_bit(fmt: str) -> None:
 def test_float_weights_are_read_as_they_are(dtype: torch.dtype, m: Any) -> None:
     """bf16 / f16 matrices: the decode's float tiles on the weights widened in registers, no float32 copy; f32
     matrices through the same tiles for short prompts."""
-    most = pl.FLOAT_ROWS[dtype]
+    most = CAPS[pl.FLOAT_KINDS[dtype]]
     m = most if m == "most" else m
     gen = torch.Generator().manual_seed(SEED + m)
     w = torch.randn(43, 100, generator=gen).to(dtype)  # odd rows (a pair and one left); K with a tail
     x = torch.randn(m, 100, generator=gen)
-    got = pl.PromptLinear()(x, w)
+    got = TILES(x, w)
     assert got is not None and got.shape == (m, 43)
     want = x.double() @ w.double().t()
     tol = 4e-7 * 10 * (1 + want.abs().max().item())  # float32 sums of K = 100 products in another order
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=tol)
-    assert pl.PromptLinear()(torch.randn(most + 1, 100), w) is None  # torch's GEMM from there
+    assert TILES(torch.randn(most + 1, 100), w) is None  # torch's GEMM from there
 
 
 @pytest.mark.skipif(not bf16_dot.native(), reason="this CPU has no AVX512-BF16 dot products")
@@ -88,25 +91,25 @@ def test_rounded_bf16_prompts_use_native_bf16_dot_products(m: int) -> None:
     gen = torch.Generator().manual_seed(SEED + m)
     w = torch.randn(43, 96, generator=gen).bfloat16()
     x = torch.randn(m, 96, generator=gen).bfloat16()
-    got = pl.PromptLinear()(x, w)
+    got = TILES(x, w)
     assert got is not None and got.dtype == torch.float32 and got.shape == (m, 43)
     want = x.double() @ w.double().t()
     bound = 96 * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t())  # float32 sums of 96 exact products
     assert bool(((got.double() - want).abs() <= bound).all())
-    assert pl.PromptLinear()(x[:, :80].contiguous(), w[:, :80].contiguous()) is None  # K not whole 32s: torch's
-    assert pl.PromptLinear()(x, w.float()) is None  # a float32 matrix under a bf16 x
-    assert pl.PromptLinear()(torch.zeros(pl.MAX_BF16_ROWS + 1, 96).bfloat16(), w) is None  # torch's bf16 GEMM
+    assert TILES(x[:, :80].contiguous(), w[:, :80].contiguous()) is None  # K not whole 32s: torch's
+    assert TILES(x, w.float()) is None  # a float32 matrix under a bf16 x
+    assert TILES(torch.zeros(CAPS["bf16 x"] + 1, 96).bfloat16(), w) is None  # torch's bf16 GEMM
 
 
 def test_what_it_cannot_read_is_left_to_torch() -> None:
     gen = torch.Generator().manual_seed(SEED)
-    run = pl.PromptLinear()
+    run = TILES
     x = torch.randn(4, 64, generator=gen)
     w = quantize(torch.randn(16, 64, generator=gen), "q8_0")
-    assert run(torch.randn(pl.MAX_F32_ROWS + 1, 64), torch.randn(16, 64)) is None  # torch's GEMM from there
+    assert run(torch.randn(CAPS["f32"] + 1, 64), torch.randn(16, 64)) is None  # torch's GEMM from there
     assert run(x, torch.randn(16, 64).bfloat16().t().contiguous().t()) is None  # not row-major
     assert run(x, quantize(torch.randn(12, 64, generator=gen), "q4_0")) is None  # rows not whole groups of 8
-    assert run(torch.randn(pl.MAX_ROWS + 1, 64), w) is None  # a long prompt: dequantize + GEMM is faster
+    assert run(torch.randn(CAPS["q8_0"] + 1, 64), w) is None  # a long prompt: dequantize + GEMM is faster
     assert run(x.double(), w) is None
     assert run(torch.randn(4, 32), w) is None  # K does not match
     nan_scale = quantize(torch.randn(16, 64, generator=gen), "q8_0")
@@ -119,9 +122,9 @@ def test_blocks_changed_in_place_are_read_again() -> None:
     gen = torch.Generator().manual_seed(SEED)
     w = quantize(torch.randn(16, 64, generator=gen), "q4_0")
     x = torch.randn(3, 64, generator=gen)
-    before = pl.PromptLinear()(x, w)
+    before = TILES(x, w)
     w.blocks.copy_(quantize(torch.randn(16, 64, generator=gen), "q4_0").blocks)
-    after = pl.PromptLinear()(x, w)
+    after = TILES(x, w)
     dense = w.dequantize().double()
     assert not torch.equal(before, after)
     assert bool(((after.double() - x.double() @ dense.t()).abs() <= bound(x, dense)).all())
@@ -152,6 +155,7 @@ def test_a_prefill_through_it_matches_the_torch_prefill(tmp_path, dtype) -> None
         return out
 
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("YIRAGE_CPU_PROMPT_TILES", "always")
         mp.setattr(pl.PromptLinear, "__call__", spy)
         ours = engine.forward(ids, pos)
     assert used and all(used), "the engine's prefill did not go through the backend's projections"

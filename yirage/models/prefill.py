@@ -20,6 +20,16 @@ Reduce = Callable[[Any, str], Any]  # (partial sum, label) -> the sum over the r
 Linear = Callable[[Any, Any], Any]
 
 
+def torch_linear(x: Any, weight: Any) -> Any:
+    """torch's ``x @ weight.T``, what runs where a backend's projection returns None: on the weight made float32
+    (quantized blocks dequantized, 16-bit widened: a copy per call), or, for ``x`` already in the weight's 16-bit
+    dtype (``rounded_linear``), in that dtype (float32 accumulation). A backend that chooses between its own
+    kernels and this one times this one (the cpu backend's prompt_rows)."""
+    if x.dtype == getattr(weight, "dtype", None) and x.dtype.itemsize == 2:
+        return x @ weight.t()
+    return x @ dense(weight).t()
+
+
 def project(h: Any, weight: Any, linear: Linear | None = None) -> Any:
     """``h @ weight.T`` over h's last dimension: the backend's ``linear`` where it takes this weight and row
     count, else torch's on the weight made float32."""
@@ -27,7 +37,7 @@ def project(h: Any, weight: Any, linear: Linear | None = None) -> Any:
         out = linear(h.reshape(-1, h.shape[-1]), weight)
         if out is not None:
             return out.view(*h.shape[:-1], out.shape[-1])
-    return h @ dense(weight).t()
+    return torch_linear(h, weight)
 
 
 PROMPT_DTYPES = ("bfloat16",)
@@ -48,7 +58,7 @@ def rounded_linear(dtype: Any, then: Linear | None) -> Linear:
         rounded = x.to(dtype)
         out = then(rounded, weight) if then is not None else None
         if out is None:
-            out = rounded @ weight.t()
+            out = torch_linear(rounded, weight)
         return out.to(dtype).float()
 
     linear.unrounded = then  # type: ignore[attr-defined]

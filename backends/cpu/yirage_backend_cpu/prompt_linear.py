@@ -10,48 +10,40 @@ inf or NaN takes the kernel's float32 path). Matrices whose rows do not form who
 bfloat16 / float16 matrices: torch widens each to a float32 copy per call (the LM head's 28 M weights for the
 one row a prompt's last position needs); the decode's float tiles (pk_tasks.linear: 2 weight rows x 4 prompt
 rows, widened in registers) read them as they are, in float32 arithmetic as the decode. float32 matrices go
-the same way for short prompts only (torch's GEMM reads them as they are): 1.46x / 2.4x / 1.25x / 1.11x / 1.05x
-/ 0.94x faster at 1 / 4 / 16 / 32 / 64 / 128 rows, so up to MAX_F32_ROWS.
+the same way for short prompts (torch's GEMM reads them as they are; on an AMD EPYC the tiles were 1.46x / 2.4x /
+1.25x / 1.11x / 1.05x / 0.94x faster at 1 / 4 / 16 / 32 / 64 / 128 rows).
 
 bfloat16 activations (``InferEngine(prompt_dtype="bfloat16")``, bf16 matrices): native bf16 dot products where the
-CPU has them (bf16_dot), up to MAX_BF16_ROWS; else None (torch's bf16 matmul).
+CPU has them (bf16_dot); else None (torch's bf16 matmul).
 
-W's rows are split over torch's thread count, the parts run in one parallel region (``linear_parts``). SmolLM2's
-four projection shapes, summed, against torch (dequantize or widen, then GEMM), 2 threads, medians of 10 (AMD
-EPYC, 2026-11-27): bf16 1.73x / 1.28x / 1.21x / 1.25x / 1.01x / 0.82x faster at 16 / 32 / 64 / 128 / 256 / 512
-prompt rows, so up to MAX_NARROW_ROWS; Q8_0 3.5x / 2.5x / 1.9x / 1.5x / 1.9x / 1.33x, Q4_0 12x / 3.4x / 2.6x /
-2.2x / 1.7x / 1.38x, so up to MAX_ROWS.
+W's rows are split over torch's thread count, the parts run in one parallel region (``linear_parts``). Whether the
+tiles or torch's dequantize- or widen-then-GEMM run a prompt of M rows is timed once per machine, matrix shape and
+row bucket (prompt_rows: the crossover moved from 512 to 64-128 rows for Q8_0 between an AMD and an Intel machine);
+``YIRAGE_CPU_PROMPT_TILES`` overrides it. ``benchmark/prompt_rows.py`` prints both sides per row count.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from numba import njit, prange
 
+from yirage.models.prefill import torch_linear
 from yirage_backend_cpu.bf16_dot import bf16_parts, usable
 from yirage_backend_cpu.kernel_lib import FASTMATH
 from yirage_backend_cpu.pk_entry import compiled
 from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q8_0, Q8_0G, quantized_entry
 from yirage_backend_cpu.pk_tasks import BF16, F16, F32, call_linear, linear_entry
+from yirage_backend_cpu.prompt_rows import Fixed, Measured, choice
 from yirage_backend_cpu.quant_group import GROUP
 from yirage_backend_cpu.repacked import block_code, grouped
 from yirage_backend_cpu.sources import tie_caches_to_sources
 from yirage_backend_cpu.threads import guard
 
-#: prompt rows (batch x tokens) up to which the group kernels beat dequantize-then-GEMM (module docstring)
-MAX_ROWS = 512
-#: ... and for bfloat16 / float16 weights, which torch widens to a float32 copy per call (module docstring)
-MAX_NARROW_ROWS = 128
-#: ... and for float32 weights, which torch's GEMM reads as they are: the tiles win at short prompts only
-MAX_F32_ROWS = 32
-#: ... and for bf16 activations (prompt_dtype) on bf16 matrices: up to here bf16_dot's tiles beat torch's bf16
-#: GEMM (oneDNN). SmolLM2 bf16 prefill, interleaved medians of 5 (AMD EPYC, 2 cores, 2026-11-27), these tiles /
-#: torch's: 50.9 / 61.1 ms at 16 tokens, 78.2 / 76.6 at 32, 109 / 101 at 64, 230 / 190 at 128
-MAX_BF16_ROWS = 32
-FLOAT_ROWS = {torch.bfloat16: MAX_NARROW_ROWS, torch.float16: MAX_NARROW_ROWS, torch.float32: MAX_F32_ROWS}
+FLOAT_KINDS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}  # weight dtype -> prompt_rows kind
 FLOAT_CODES = {torch.bfloat16: BF16, torch.float16: F16, torch.float32: F32}  # weight dtype -> pk_tasks' code
 
 
@@ -67,27 +59,43 @@ def linear_parts(xs, m, k, addrs, codes, n0s, n1s, out, n, work, entry, quant): 
 
 
 class PromptLinear:
-    """``x @ W.T`` for quantized or 16-bit ``W`` (see the module docstring); None where torch's should run."""
+    """``x @ W.T`` for quantized or 16-bit ``W`` (see the module docstring); None where torch's should run: where
+    the tiles cannot read W, or ``rows`` (prompt_rows: timed on this machine by default) says torch's is faster
+    for W's shape at x's row count."""
+
+    def __init__(self, rows: Fixed | Measured | None = None) -> None:
+        self._rows = rows  # None: prompt_rows.choice(), YIRAGE_CPU_PROMPT_TILES read per call
 
     def __call__(self, x: Any, weight: Any) -> Any:
+        tiles = self._tiles(x, weight)
+        if tiles is None:
+            return None
+        kind, run = tiles
+        n, k = (int(s) for s in weight.shape)
+        rows = self._rows or choice()
+        if not rows.tiles(kind, n, k, x.shape[0], run, lambda z: torch_linear(z, weight), x.dtype):
+            return None
+        return run(x)
+
+    def _tiles(self, x: Any, weight: Any) -> tuple[str, Callable[[Any], Any]] | None:
+        """(prompt_rows kind, the tiles' projection of an x like this one) where the tiles can read ``weight``
+        under ``x``, else None."""
         from yirage.quant import QuantizedTensor
 
         if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > 0:  # a rounded prompt (prompt_dtype)
-            return self._bf16(x, weight) if x.shape[0] <= MAX_BF16_ROWS and usable(x, weight) else None
+            return ("bf16 x", lambda z: self._bf16(z, weight)) if usable(x, weight) else None
         if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] == 0:
             return None
-        m = x.shape[0]
         if isinstance(weight, QuantizedTensor):
-            return self._quantized(x, weight) if m <= MAX_ROWS else None
-        if (isinstance(weight, torch.Tensor) and weight.dtype in FLOAT_ROWS and weight.device.type == "cpu"
-                and weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.is_contiguous()
-                and m <= FLOAT_ROWS[weight.dtype]):
-            n, k = weight.shape
-            return self._run(x, n, [(weight.data_ptr(), FLOAT_CODES[weight.dtype], n0, n1)
-                                    for n0, n1 in self._parts(n, 2)], 1)
+            return self._quantized(x, weight)
+        if (isinstance(weight, torch.Tensor) and weight.dtype in FLOAT_KINDS and weight.device.type == "cpu"
+                and weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.is_contiguous()):
+            n = weight.shape[0]
+            parts = [(weight.data_ptr(), FLOAT_CODES[weight.dtype], n0, n1) for n0, n1 in self._parts(n, 2)]
+            return FLOAT_KINDS[weight.dtype], lambda z: self._run(z, n, parts, 1)
         return None
 
-    def _quantized(self, x: Any, weight: Any) -> Any:
+    def _quantized(self, x: Any, weight: Any) -> tuple[str, Callable[[Any], Any]] | None:
         if weight.format not in ("q8_0", "q4_0"):
             return None
         blocks = weight.blocks
@@ -99,9 +107,8 @@ class PromptLinear:
             return None
         groups = grouped(blocks, n, code == Q8_0)
         gcode = Q8_0G if code == Q8_0 else Q4_0G
-        m = x.shape[0]
-        return self._run(x, n, [(groups.data_ptr(), gcode, n0, n1) for n0, n1 in self._parts(n, GROUP)],
-                         m * k + 64)  # x split in bytes per part (pk_quant)
+        parts = [(groups.data_ptr(), gcode, n0, n1) for n0, n1 in self._parts(n, GROUP)]
+        return weight.format, lambda z: self._run(z, n, parts, z.shape[0] * k + 64)  # x split in bytes per part
 
     def _bf16(self, x: Any, weight: Any) -> Any:
         """bf16 x @ bf16 W.T by native bf16 dot products (bf16_dot), float32 (M, N); W's rows split in pairs over
