@@ -209,3 +209,24 @@ def test_short_calls_get_more_rounds(tmp_path, seconds: float, rounds: int) -> N
     watch = Stopwatch([seconds], [seconds])
     watch.ask(pr.Measured(tmp_path / "rows.json", clock=watch.clock), 16)
     assert watch.calls == {"ours": 1 + rounds, "theirs": 1 + rounds}
+
+
+@pytest.mark.parametrize("where", ["unwritable", "shared"])
+def test_without_a_usable_cache_choices_stay_in_the_process(tmp_path, monkeypatch, caplog, where: str) -> None:
+    """A cache file that cannot be written, or a compile cache others can write (refused by the cache's rules):
+    one warning naming the fix, the prompt still runs, and its choices hold for this process."""
+    path = tmp_path / "missing" / "rows.json"  # its directory does not exist
+    if where == "shared":
+        shared = tmp_path / "shared"
+        shared.mkdir()
+        shared.chmod(0o777)
+        monkeypatch.setenv("YIRAGE_CACHE_DIR", str(shared))
+        path = None
+    watch = Stopwatch([1.0], [2.0])
+    measured = pr.Measured(path, clock=watch.clock, rounds=3)
+    with caplog.at_level(logging.WARNING, logger="yirage.cpu"):
+        assert watch.ask(measured, 16) is True and watch.ask(measured, 32) is True
+        assert watch.ask(measured, 16) is True and watch.calls["ours"] == 8
+    warnings = [r.getMessage() for r in caplog.records if "cannot keep" in r.getMessage()]
+    assert len(warnings) == 1 and "YIRAGE_CACHE_DIR" in warnings[0]
+    assert not any(tmp_path.rglob("*.json"))

@@ -97,6 +97,7 @@ class Measured:
                  rounds: int | None = None) -> None:
         self._path, self._clock, self._rounds = path, clock, rounds
         self._choices: dict[str, dict[str, Any]] | None = None
+        self._keeping = True  # False once the compile cache refused a write: choices stay in this process
         self._lock = threading.Lock()
 
     def tiles(self, kind: str, n: int, k: int, m: int, ours: Run, theirs: Run, dtype: Any) -> bool:
@@ -115,7 +116,7 @@ class Measured:
             record = self._choices.get(key)
             if record is None:
                 record = self._choices[key] = self._time(key, bucket(m), k, ours, theirs, dtype)
-                if record["spread"] <= NOISY:
+                if record["spread"] <= NOISY and self._keeping:
                     self._write(key, record)
                 else:  # another process took the cores meanwhile: this process's choice only, timed again later
                     logger.info("prompt rows: %s timed on a busy machine (median %.2fx the fastest round); not kept",
@@ -156,10 +157,15 @@ class Measured:
         return self._path
 
     def _read(self) -> dict[str, dict[str, Any]]:
-        """The kept choices, or none (missing; damaged: a warning, then timed again)."""
-        from yirage.compiler.cache import read_private
+        """The kept choices, or none (missing; damaged: a warning, then timed again; no usable compile cache: a
+        warning, and choices kept in this process only)."""
+        from yirage.compiler.cache import CacheError, read_private
 
-        path = self.path()
+        try:
+            path = self.path()
+        except CacheError as exc:  # a prompt runs without a cache: its choices are timed once per process
+            self._refuse(exc)
+            return {}
         if not path.exists():
             return {}
         try:
@@ -178,11 +184,21 @@ class Measured:
 
     def _write(self, key: str, record: dict[str, Any]) -> None:
         """Add ``key`` to the file, keeping what other processes added meanwhile."""
-        from yirage.compiler.cache import write_private
+        from yirage.compiler.cache import CacheError, write_private
 
         choices = {**self._read(), key: record}
-        write_private(self.path(), json.dumps({"version": VERSION, "choices": choices}, indent=1, sort_keys=True)
-                      + "\n")
+        try:
+            write_private(self.path(), json.dumps({"version": VERSION, "choices": choices}, indent=1, sort_keys=True)
+                          + "\n")
+        except (CacheError, OSError) as exc:
+            self._refuse(exc)
+
+    def _refuse(self, exc: Exception) -> None:
+        if self._keeping:
+            logger.warning("the cpu backend cannot keep its prompt-row choices in the compile cache (%s: %s); they "
+                           "are timed again in each process. Set YIRAGE_CACHE_DIR to a private, writable directory",
+                           type(exc).__name__, exc)
+        self._keeping = False
 
 
 def machine_key() -> str:
