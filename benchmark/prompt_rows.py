@@ -5,14 +5,17 @@
 
 For each format and row count: the tiles (prompt_linear's kernels, YIRAGE_CPU_PROMPT_TILES=always) and torch's
 dequantize- or widen-then-GEMM (``prefill.torch_linear``) over the shapes (default: one SmolLM2-135M layer's four
-projections: fused QKV, o_proj, fused gate/up, down_proj) summed, interleaved call by call, medians; then what the
-backend's measured choice (prompt_rows, the default) picks for each. ``bf16x`` is ``prompt_dtype="bfloat16"``:
-rounded activations on bf16 matrices (bf16 dot products against torch's bf16 GEMM). The header names the CPU.
+projections: fused QKV, o_proj, fused gate/up, down_proj) summed, the two sides taking turns round by round (which
+goes first alternates), medians; then what the backend's policy (``YIRAGE_CPU_PROMPT_TILES``; by default the
+measured choice, timed into and read from the compile cache as a prefill's would be) picks for each shape.
+``bf16x`` is ``prompt_dtype="bfloat16"``: rounded activations on bf16 matrices (bf16 dot products against torch's
+bf16 GEMM). The header names the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -56,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     vector = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx")) or f in ("avx2", "fma", "f16c"))
     print(f"CPU {cpu_model()} ({', '.join(vector)}); {torch.get_num_threads()} torch threads; shapes "
           f"{' '.join(args.shapes)} summed; medians of {args.rounds}, interleaved")
-    print(f"{'format':<7}{'rows':>6}{'tiles ms':>11}{'torch ms':>11}{'tiles/torch':>13}  measured choice")
+    print(f"{'format':<7}{'rows':>6}{'tiles ms':>11}{'torch ms':>11}{'tiles/torch':>13}  "
+          f"choice ({prompt_rows.ENV}={os.environ.get(prompt_rows.ENV, 'measure')})")
     tiles_always, measured = PromptLinear(prompt_rows.Fixed(prompt_rows.CAPS)), PromptLinear()
     gen = torch.Generator().manual_seed(0)
     for fmt in args.formats:
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             times: dict[str, list[float]] = {side: [] for side in sides}
             for r in range(args.rounds + 1):  # round 0: compiled, repacked and touched, not timed
-                for side, run in sides.items():
+                for side, run in list(sides.items())[:: 1 if r % 2 else -1]:
                     start = time.perf_counter()
                     for x, w in zip(xs, ws, strict=True):
                         run(x, w)

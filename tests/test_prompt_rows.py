@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ pytest.importorskip("numba")
 if not yr.is_backend_available("cpu"):
     pytest.skip("the cpu backend is not available", allow_module_level=True)
 
+from yirage_backend_cpu import bf16_dot  # noqa: E402
 from yirage_backend_cpu import prompt_linear as pl  # noqa: E402
 from yirage_backend_cpu import prompt_rows as pr  # noqa: E402
 
@@ -140,13 +142,24 @@ def test_the_environment_names_the_policy(monkeypatch) -> None:
         pr.choice()
 
 
+#: kind -> (key prefix, x's dtype, the tiles' tolerance, torch's side's: a bf16 x's product is bf16, 2^-8 relative)
+CASES = {"q4_0": ("q4_0 64x96", torch.float32, 1e-3, 1e-5), "bf16 x": ("bf16 x 64x96", torch.bfloat16, 1e-4, 2 ** -8)}
+
+
 @pytest.mark.parametrize("tiles", [True, False])
-def test_prompt_linear_follows_the_choice_and_times_both_real_sides(tmp_path, tiles: bool) -> None:
-    """The measured sides are the tiles and torch's projection of the same matrix: each side's real result on the
-    timed rows is checked here; the call returns the tiles' product or None (torch's) as the clock decides."""
+@pytest.mark.parametrize("kind", list(CASES))
+def test_prompt_linear_follows_the_choice_and_times_both_real_sides(tmp_path, kind: str, tiles: bool) -> None:
+    """The measured sides are the tiles and torch's projection of the same matrix, on rows of the caller's dtype
+    (a Q4_0 matrix under float32 x; a bf16 one under bf16 x, prompt_dtype): each side's real result on the timed
+    rows is checked here; the call returns the tiles' product or None (torch's) as the clock decides."""
+    name, x_dtype, tol, torch_tol = CASES[kind]
+    if x_dtype == torch.bfloat16 and not bf16_dot.native():
+        pytest.skip("this CPU has no AVX512-BF16 dot products: no tiles for bf16 x")
     gen = torch.Generator().manual_seed(SEED)
-    w = quantize(torch.randn(64, 96, generator=gen), "q4_0")
-    x = torch.randn(6, 96, generator=gen)
+    w = quantize(torch.randn(64, 96, generator=gen), "q4_0") if kind == "q4_0" else \
+        torch.randn(64, 96, generator=gen).bfloat16()
+    dense = w.dequantize().double() if kind == "q4_0" else w.double()
+    x = torch.randn(6, 96, generator=gen).to(x_dtype)
     seen: dict[str, Any] = {}
 
     class Rigged(pr.Measured):
@@ -156,13 +169,13 @@ def test_prompt_linear_follows_the_choice_and_times_both_real_sides(tmp_path, ti
             return {"tiles": tiles, "tiles_ms": 1.0, "torch_ms": 1.0, "spread": 1.0}
 
     got = pl.PromptLinear(Rigged(tmp_path / "rows.json"))(x, w)
-    assert seen["key"].startswith("q4_0 64x96 rows<=8 threads=")
-    want = seen["probe"].double() @ w.dequantize().double().t()
-    assert torch.allclose(seen["theirs"].double(), want, rtol=1e-5, atol=1e-5)  # torch's side: dequantize + GEMM
-    assert torch.allclose(seen["ours"].double(), want, rtol=1e-3, atol=1e-3)  # the tiles (x rounded to int16)
+    assert seen["key"].startswith(f"{name} rows<=8 threads=") and seen["probe"].dtype == x_dtype
+    want = seen["probe"].double() @ dense.t()
+    assert torch.allclose(seen["theirs"].double(), want, rtol=torch_tol, atol=1e-3)  # torch's side
+    assert torch.allclose(seen["ours"].double(), want, rtol=tol, atol=tol)  # the tiles (q4_0: x rounded to int16)
     if tiles:
         assert got is not None and got.shape == (6, 64)
-        assert torch.allclose(got.double(), x.double() @ w.dequantize().double().t(), rtol=1e-3, atol=1e-3)
+        assert torch.allclose(got.double(), x.double() @ dense.t(), rtol=tol, atol=tol)
     else:
         assert got is None
 
@@ -230,3 +243,23 @@ def test_without_a_usable_cache_choices_stay_in_the_process(tmp_path, monkeypatc
     warnings = [r.getMessage() for r in caplog.records if "cannot keep" in r.getMessage()]
     assert len(warnings) == 1 and "YIRAGE_CACHE_DIR" in warnings[0]
     assert not any(tmp_path.rglob("*.json"))
+
+
+def test_two_threads_asking_at_once_time_a_shape_once(tmp_path) -> None:
+    """Two prompts of one shape in two threads: one times it, the other waits for that choice (the lock), and a
+    choice already known is answered without timing again."""
+    watch = Stopwatch([1.0], [2.0])
+    measured = pr.Measured(tmp_path / "rows.json", clock=watch.clock, rounds=3)
+    start = threading.Barrier(2)
+    answers: list[bool] = []
+
+    def ask() -> None:
+        start.wait()
+        answers.append(watch.ask(measured, 16))
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert answers == [True, True] and watch.calls == {"ours": 4, "theirs": 4}

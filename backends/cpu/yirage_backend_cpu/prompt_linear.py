@@ -18,7 +18,8 @@ CPU has them (bf16_dot); else None (torch's bf16 matmul).
 
 W's rows are split over torch's thread count, the parts run in one parallel region (``linear_parts``). Whether the
 tiles or torch's dequantize- or widen-then-GEMM run a prompt of M rows is timed once per machine, matrix shape and
-row bucket (prompt_rows: the crossover moved from 512 to 64-128 rows for Q8_0 between an AMD and an Intel machine);
+row bucket (prompt_rows: the crossover moved from above 512 to 128-256 rows for Q8_0 between an AMD and an Intel
+machine);
 ``YIRAGE_CPU_PROMPT_TILES`` overrides it. ``benchmark/prompt_rows.py`` prints both sides per row count.
 """
 
@@ -145,7 +146,9 @@ _SHARED = PromptLinear()  # one per process
 
 
 def prompt_linear() -> PromptLinear:
-    """The process's one PromptLinear."""
+    """The process's one PromptLinear; a YIRAGE_CPU_PROMPT_TILES that names no mode fails here, at the prefill's
+    start."""
+    choice()
     return _SHARED
 
 

@@ -29,12 +29,16 @@ torch's and numba's versions, numba's target CPU and the backend's sources, so l
 reuse them. A damaged file is reported and timed again. Not timed: rows above CAPS (torch's), and up to SMALLEST
 rows where torch's side copies W (COPIES: the tiles').
 
-``YIRAGE_CPU_PROMPT_TILES``: ``measure`` (the default), ``fixed`` (FIXED's row limits, measured on the AMD EPYC:
-no timing, the same choice on every machine), ``always`` (the tiles up to CAPS) or ``never`` (torch's).
+The two sides round differently (the quantized tiles round x to int16 per block, as the decode does; float sums run
+in another order), so the low bits of a prompt's logits follow the choice, which may differ between machines and,
+for a timing too noisy to keep, between processes. ``YIRAGE_CPU_PROMPT_TILES``: ``measure`` (the default),
+``fixed`` (FIXED's row limits, measured on the AMD EPYC: no timing, the same path on every machine and run),
+``always`` (the tiles up to CAPS) or ``never`` (torch's).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -43,7 +47,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +62,9 @@ ROUNDS, ROUND_BUDGET = (3, 15), 0.05
 NOISY = 1.5  # a side whose median round took more than this times its fastest was timed under load: not kept
 SMALLEST = 4  # rows 1 .. 4 share the first bucket
 #: the most prompt rows the tiles ever take, per weight kind (f32/bf16/f16: float32 x; "bf16 x": rounded x on bf16
-#: matrices, prompt_dtype): above these torch's GEMM won on every machine measured, so nothing is timed there
+#: matrices, prompt_dtype): nothing is timed above them. Measured up to 512 rows on two machines: torch's GEMM won
+#: there for f32 above 64-128 rows, bf16 above 256, bf16 x above 16-128; the quantized tiles still won at 512 on the
+#: AMD EPYC (0.72-0.75 of torch's time), so they are timed up to 1024
 CAPS = {"q8_0": 1024, "q4_0": 1024, "bf16": 512, "f16": 512, "f32": 128, "bf16 x": 128}
 #: kinds whose torch side widens or dequantizes W to a float32 copy per call: at SMALLEST rows or fewer it reads and
 #: writes more memory than the tiles read for the same products (the LM head of a prompt's last row: 28 M weights
@@ -110,7 +116,10 @@ class Measured:
         if m <= SMALLEST and kind in COPIES:
             return True
         key = f"{kind} {n}x{k} rows<={bucket(m)} threads={torch.get_num_threads()}"
-        with self._lock:  # one timing at a time: two at once would time each other
+        known = self._choices.get(key) if self._choices is not None else None
+        if known is not None:  # a kept or timed choice: no wait behind another thread's timing
+            return bool(known["tiles"])
+        with self._lock:  # one timing at a time, each once: two at once would time each other
             if self._choices is None:
                 self._choices = self._read()
             record = self._choices.get(key)
@@ -183,13 +192,16 @@ class Measured:
         return choices
 
     def _write(self, key: str, record: dict[str, Any]) -> None:
-        """Add ``key`` to the file, keeping what other processes added meanwhile."""
+        """Add ``key`` to the file, keeping what other processes added meanwhile: read, merge and replace under an
+        exclusive lock on a sidecar file (tensor-parallel ranks on one host time the same shapes at once)."""
         from yirage.compiler.cache import CacheError, write_private
 
-        choices = {**self._read(), key: record}
         try:
-            write_private(self.path(), json.dumps({"version": VERSION, "choices": choices}, indent=1, sort_keys=True)
-                          + "\n")
+            path = self.path()
+            with _locked(path.with_name(f".{path.name}.lock")):
+                choices = {**self._read(), key: record}
+                write_private(path, json.dumps({"version": VERSION, "choices": choices}, indent=1, sort_keys=True)
+                              + "\n")
         except (CacheError, OSError) as exc:
             self._refuse(exc)
 
@@ -199,6 +211,23 @@ class Measured:
                            "are timed again in each process. Set YIRAGE_CACHE_DIR to a private, writable directory",
                            type(exc).__name__, exc)
         self._keeping = False
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (created private) for the block; without fcntl (Windows) none: a lost choice
+    is only timed again."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def machine_key() -> str:
