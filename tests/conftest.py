@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import textwrap
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -13,6 +14,13 @@ from yirage.backend import selection
 from yirage.backend.registry import Registry
 
 _counter = itertools.count()
+
+# The cpu backend's prompt projections by fixed row limits, not timed: which path a prefill takes (the two round
+# differently) must not depend on the machine's load during a test. Set for the whole session, not per test: module
+# fixtures start processes (tensor-parallel ranks) before any function fixture runs, and they inherit it from here
+# (a rank left timing under the others' load took another path than the single-rank reference and failed 1e-4 of the
+# logit range). tests/test_prompt_rows.py times them on purpose.
+os.environ["YIRAGE_CPU_PROMPT_TILES"] = "fixed"
 
 BACKEND_TEMPLATE = '''
 import yirage
@@ -45,15 +53,12 @@ def unique(prefix: str) -> str:
 
 @pytest.fixture(autouse=True)
 def private_settings(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Keep the user's saved default backend (and yirage env vars) out of every test; fixed prompt row limits."""
+    """Keep the user's saved default backend (and yirage env vars) out of every test."""
     for key in ("YIRAGE_BACKEND", "YIRAGE_PLUGINS", "YIRAGE_DISABLE_PLUGIN_AUTOLOAD", "YIRAGE_LOG_LEVEL",
                 "YIRAGE_PROBE_TIMEOUT"):
         monkeypatch.delenv(key, raising=False)
     settings = tmp_path_factory.mktemp("settings")
     monkeypatch.setenv("YIRAGE_CONFIG_DIR", str(settings))
-    # the cpu backend's prompt projections by fixed row limits, not timed: which path a prefill takes must not
-    # depend on the machine's load during a test (tests/test_prompt_rows.py times them on purpose)
-    monkeypatch.setenv("YIRAGE_CPU_PROMPT_TILES", "fixed")
     return settings
 
 
