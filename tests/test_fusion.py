@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import yirage as yr
-from yirage.compiler.kernel_ir import Call, Load, Matmul, Pointwise, Row, Var
+from yirage.compiler.fusion import FusionPolicy
+from yirage.compiler.kernel_ir import Attention, Call, Load, Matmul, Pointwise, Row, Var
 from yirage.compiler.lower import build_plan
 
 
@@ -117,3 +118,32 @@ def test_rotary_never_fuses_into_row_ops_or_matmuls() -> None:
     x, cos, sin, w = g.new_input((2, 8)), g.new_input((2, 8)), g.new_input((2, 8)), g.new_input((8, 8))
     g.mark_output(g.rotary(g.matmul(x, w), cos, sin))
     assert kinds(g) == ["Matmul", "Pointwise"]
+
+
+def _qk_norm(keys_also_output: bool = False, key_prologue: bool = False) -> yr.KernelGraph:
+    g = yr.new_kernel_graph()
+    q, k, v = g.new_input((2, 8, 16)), g.new_input((2, 2, 5, 16)), g.new_input((2, 2, 5, 16))
+    normed = g.rms_norm(g.mul(k, k) if key_prologue else k, (16,), eps=1e-5)
+    g.mark_output(g.attention(g.rms_norm(q, (16,)), normed, v))
+    if keys_also_output:
+        g.mark_output(normed)
+    return g
+
+
+def test_the_keys_rmsnorm_fuses_into_attention_and_the_querys_stays_a_row_kernel() -> None:
+    row, att = build_plan(_qk_norm()).kernels
+    assert isinstance(row, Row) and isinstance(att, Attention)
+    assert (att.q, att.k, att.v, att.k_eps) == (row.out, "in1", "in2", 1e-5)  # the keys read as they are
+
+
+def test_the_keys_rmsnorm_stays_apart_where_it_is_also_an_output_or_the_policy_says_so() -> None:
+    kernels = build_plan(_qk_norm(keys_also_output=True)).kernels
+    assert [type(k).__name__ for k in kernels] == ["Row", "Row", "Attention"] and kernels[-1].k_eps is None
+    kernels = build_plan(_qk_norm(), FusionPolicy(rms_scale=False)).kernels
+    assert [type(k).__name__ for k in kernels] == ["Row", "Row", "Attention"] and kernels[-1].k_eps is None
+
+
+def test_what_feeds_a_fused_key_norm_is_materialized_not_inlined_into_attention() -> None:
+    kernels = build_plan(_qk_norm(key_prologue=True)).kernels
+    assert [type(k).__name__ for k in kernels] == ["Pointwise", "Row", "Attention"]
+    assert kernels[-1].k == kernels[0].out and kernels[-1].k_eps == 1e-5

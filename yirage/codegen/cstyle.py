@@ -411,9 +411,19 @@ class _Renderer:
         with emit.block(f"for ({it} s = lid; s < n; s += {local}) {{"):
             emit(f"{t} acc = {self.const(0, ct)};")
             emit(f"{it} kr = {indexing.at('kb', 's', ks[2], self.ix)};")
+            scaled = ""
+            if k.k_eps is not None:  # the fused RMSNorm of this key row, as a row kernel computes it
+                emit(f"{t} ss = {self.const(0, ct)};")
+                self.ilp_loop("d", "0", k.head_dim, 1, lambda u, at: [
+                    f"{t} x{u} = {self.read(k.k, indexing.at('kr', at, ks[3], self.ix))};"],
+                    lambda u, _: [f"ss = ss + x{u} * x{u};"])
+                sqrt = self.d.math["sqrt"]
+                emit(f"{t} rk = {self.const(1, ct)} / {sqrt}(ss / {self.const(k.head_dim, ct)} + "
+                     f"{self.const(k.k_eps, ct)});")
+                scaled = " * rk"
             self.ilp_loop("d", "0", k.head_dim, 1, lambda u, at: [
                 f"{t} q{u} = {self.read(k.q, indexing.at('qb', at, qs[2], self.ix))};",
-                f"{t} k{u} = {self.read(k.k, indexing.at('kr', at, ks[3], self.ix))};"],
+                f"{t} k{u} = {self.read(k.k, indexing.at('kr', at, ks[3], self.ix))}{scaled};"],
                 lambda u, _: [f"acc = acc + q{u} * k{u};"])
             emit(f"acc = acc * {self.const(k.scale, ct)};")
             emit(f"{sc}[sb + s] = acc;")

@@ -10,8 +10,10 @@ consumer and the group can absorb it:
   kernel, and so is ``matmul + residual``);
 * an RMSNorm reaching a matmul's A operand through multiplications (its
   weight) fuses as a per-row scale applied after the matmul, as in Mirage;
-* embedding and attention are kernels of their own; RoPE's rotated operand
-  and matmul B operands are always read from memory.
+* an RMSNorm that is attention's key operand (QK-norm) fuses into the
+  attention, which normalizes each key row as it reads it;
+* embedding and attention are otherwise kernels of their own; RoPE's rotated
+  operand and matmul B operands are always read from memory.
 
 Everything else is materialized in a buffer.
 """
@@ -33,7 +35,7 @@ class FusionPolicy:
     chains: bool = True  # pointwise ops into pointwise consumers
     prologue: bool = True  # pointwise ops into a row op's rows or a matmul's A operand
     epilogue: bool = True  # pointwise consumers of a matmul or row op over its whole output
-    rms_scale: bool = True  # an RMSNorm into a matmul as a per-row scale
+    rms_scale: bool = True  # an RMSNorm into a matmul as a per-row scale, or into attention as its key rows' norm
 
     @property
     def name(self) -> str:
@@ -115,6 +117,8 @@ def _can_inline(graph: KernelGraph, n: Node, c: Node, group: Group, users: dict[
 def _inline_kind(graph: KernelGraph, n: Node, c: Node, group: Group, users: dict[int, list[int]]) -> str | None:
     kn, kc = kind(n), kind(c)
     root = graph.nodes[group.root]
+    if group.anchor is not None and graph.nodes[group.anchor].op == "attention":
+        return _into_attention(n, c, group)
     if kn == "pointwise":
         if n.op == "rotary" and (group.anchor is not None or kc != "pointwise"):
             return None  # RoPE's rotated read only exists in elementwise kernels
@@ -144,6 +148,12 @@ def _inline_kind(graph: KernelGraph, n: Node, c: Node, group: Group, users: dict
         ):
             return "rms"
     return None
+
+
+def _into_attention(n: Node, c: Node, group: Group) -> str | None:
+    """An attention kernel reads buffers; the one node it takes in is an RMSNorm that is only its key operand."""
+    is_key = c.id == group.anchor and c.inputs[1] == n.id and n.id not in (c.inputs[0], *c.inputs[2:])
+    return "rms" if n.op == "rms_norm" and group.rms is None and is_key else None
 
 
 def partition(graph: KernelGraph, policy: FusionPolicy = DEFAULT_POLICY) -> list[Group]:

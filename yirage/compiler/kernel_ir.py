@@ -236,7 +236,10 @@ class Embedding:
 
 @dataclass(frozen=True)
 class Attention:
-    """Decode attention: one query per (batch, head) over its KV-cache rows."""
+    """Decode attention: one query per (batch, head) over its KV-cache rows. ``k_eps``: the key rows are
+    RMS-normalized first (an ``rms_norm`` fused in, QK-norm as in Qwen3 or Chameleon), each row ``k * (1 /
+    sqrt(sum(k * k) / head_dim + k_eps))`` as the row kernel computes it, in the compute type, inside the pass that
+    reads K once (an unfused plan writes the normalized keys out and reads them back: three passes over K)."""
 
     name: str
     out: str
@@ -250,16 +253,21 @@ class Attention:
     seq: int
     head_dim: int
     scale: float
+    k_eps: float | None = None
 
     def reads(self) -> list[str]:
         return [self.q, self.k, self.v] + ([self.lengths] if self.lengths else [])
 
     def lines(self) -> list[str]:
         span = f"s < {self.lengths}[b]" if self.lengths else f"s < {self.seq}"
+        key = f"{self.k}[b, kvh, s]"
+        norm = [] if self.k_eps is None else [
+            f"kn[s] = {key} * (1 / sqrt(sum({key}^2) / {self.head_dim} + {self.k_eps:.6g}))  (rms_norm fused)"]
         return [
             f"grid: one (batch, head) of ({self.batch}, {self.heads}) each; "
             f"kv head = h // {self.heads // self.kv_heads}",
-            f"p[s] = softmax_s({self.scale:.6g} * dot({self.q}[b, h], {self.k}[b, kvh, s]))  for {span}",
+            *norm,
+            f"p[s] = softmax_s({self.scale:.6g} * dot({self.q}[b, h], {'kn[s]' if norm else key}))  for {span}",
             f"{self.out}[b, h, :] = sum_s p[s] * {self.v}[b, kvh, s, :]",
         ]
 

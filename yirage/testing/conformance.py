@@ -255,6 +255,31 @@ def test_decode_attention(yirage_backend, yirage_dtypes, dtype, heads, kv_heads,
     assert_matches_torch(g, inputs, yirage_backend, lambda *t: _attention(*t)[0], scale=lambda *t: _attention(*t)[1])
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
+@pytest.mark.parametrize("with_lengths", [False, True])
+def test_decode_attention_with_qk_norm(yirage_backend, yirage_dtypes, dtype, heads, kv_heads, with_lengths) -> None:
+    """QK-norm (Qwen3, Chameleon): the keys' RMSNorm fuses into the attention, the query's stays a row kernel; the
+    keys are scaled far from 1 (and one row is all zeros) so a missing or misplaced norm cannot pass."""
+    _need(yirage_dtypes, dtype)
+    g = yr.new_kernel_graph()
+    q = g.new_input((2, heads, 16), dtype=dtype)
+    k, v = (g.new_input((2, kv_heads, 12, 16), dtype=dtype) for _ in range(2))
+    lengths = g.new_input((2,), dtype=yr.int32) if with_lengths else None
+    g.mark_output(g.attention(g.rms_norm(q, (16,), eps=1e-5), g.rms_norm(k, (16,), eps=1e-3), v, lengths))
+    inputs = random_inputs(g, seed=14)
+    inputs[1] = inputs[1] * torch.linspace(0.25, 8.0, 12).to(inputs[1].dtype)[None, None, :, None]
+    inputs[1][0, 0, 3] = 0  # a zero key row: its norm is 1 / sqrt(eps), its scores 0
+    if with_lengths:
+        inputs[3] = torch.tensor([5, 12], dtype=torch.int32)
+
+    def normed(q_, k_, *rest):  # noqa: ANN001, ANN202
+        return (_rms(q_, 1e-5), _rms(k_, 1e-3), *rest)
+
+    assert_matches_torch(g, inputs, yirage_backend, lambda *t: _attention(*normed(*t))[0],
+                         scale=lambda *t: _attention(*normed(*t))[1])
+
+
 def test_attention_rejects_bad_lengths(yirage_backend) -> None:
     g = yr.new_kernel_graph()
     q, k, v = g.new_input((1, 2, 8)), g.new_input((1, 2, 4, 8)), g.new_input((1, 2, 4, 8))

@@ -2,9 +2,9 @@
 
 Each graph has one dtype and grows a chain of motifs: pointwise ops (div, pow and sqrt on
 positive operands), matmuls with a prologue and an epilogue, RMSNorm (times a weight) into a
-matmul (the row-scale fusion), rotary, softmax / sum / RMSNorm rows, decode attention and an
-embedding added to the chain. ``plan_features`` names the fusion patterns a plan contains, so a
-test can assert that a run of generated graphs covered each of them.
+matmul (the row-scale fusion), rotary, softmax / sum / RMSNorm rows, decode attention (its keys
+RMS-normalized or not) and an embedding added to the chain. ``plan_features`` names the fusion
+patterns a plan contains, so a test can assert that a run of generated graphs covered each of them.
 """
 
 from __future__ import annotations
@@ -163,6 +163,8 @@ def _attention(c: Choices, g: yr.KernelGraph, x: yr.Tensor) -> yr.Tensor | None:
     seq = c.pick([1, 5, 8])
     k, v = (g.new_input((b, kv_heads, seq, d), dtype=x.dtype) for _ in range(2))
     lengths = g.new_input((b,), dtype=c.pick(["int32", "int64"])) if c.coin() else None
+    if c.coin():  # QK-norm: the keys' RMSNorm fuses into the attention
+        k = g.rms_norm(k, (d,))
     return g.attention(x, k, v, lengths)
 
 
@@ -249,6 +251,7 @@ def plan_features(graph: yr.KernelGraph) -> Counter[str]:
         elif isinstance(k, Attention):
             seen["attention"] += 1
             seen["attention gqa"] += k.heads != k.kv_heads
+            seen["rms_norm -> attention keys"] += k.k_eps is not None
         elif isinstance(k, Embedding):
             seen["embedding"] += 1
     live = live_nodes(graph)
@@ -269,4 +272,5 @@ def coverage(graphs: Iterable[yr.KernelGraph]) -> Counter[str]:
 
 #: what a run of the kit's random graphs must have exercised, each at least ``COVERAGE_MIN`` times
 COVERAGE_PATTERNS = ("matmul prologue", "matmul epilogue", "rms_norm -> matmul row scale", "rotary", "attention",
-                     "attention gqa", "embedding", "div", "pow", "sqrt", "softmax", "float16", "bfloat16")
+                     "attention gqa", "rms_norm -> attention keys", "embedding", "div", "pow", "sqrt", "softmax",
+                     "float16", "bfloat16")

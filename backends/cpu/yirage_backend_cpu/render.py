@@ -206,11 +206,18 @@ def render_attention(k: Attention, buffers: dict[str, Buffer], emit: Emitter, kn
             emit(f"mxs = np.full({per}, {const(-math.inf, ct)})")
             with emit.block("for s in range(n):"):
                 emit(f"kr = {at('kb', 's', ks[2])}")
+                k_d = f"{k.k}[{at('kr', 'd', ks[3])}]"
+                if k.k_eps is not None:  # the fused RMSNorm of this key row, as render_row computes it
+                    emit(f"ss = {const(0, ct)}")
+                    with emit.block(f"for d in range(U({k.head_dim})):"):
+                        emit(f"ss = {acc_src('ss', f'{k_d} * {k_d}', ct)}")
+                    emit(f"rk = {const(1, ct)} / math.sqrt(ss / {const(k.head_dim, ct)} + {const(k.k_eps, ct)})")
+                    k_d = f"({k_d} * rk)"
                 with emit.block(f"for j in range(U({per})):"):
                     emit(f"qb = {offset(['b', '(h0 + j)'], qs[:2])}")
                     emit(f"acc = {const(0, ct)}")
                     with emit.block(f"for d in range(U({k.head_dim})):"):
-                        q_d, k_d = f"{k.q}[{at('qb', 'd', qs[2])}]", f"{k.k}[{at('kr', 'd', ks[3])}]"
+                        q_d = f"{k.q}[{at('qb', 'd', qs[2])}]"
                         emit(f"acc = {fma_src('acc', q_d, k_d, ct)}")
                     emit(f"acc *= {const(k.scale, ct)}")
                     emit("sc[j * n + s] = acc")

@@ -106,10 +106,15 @@ def _batch(r: Renderer, k: Matmul, qb: str) -> list[str]:
 
 
 def _scale(r: Renderer, k: Matmul, ct: str, ss: str) -> str:
-    """``rsqrt(ss / K + eps)`` in ``ct``: IEEE division and square root."""
+    return rms_scale(ss, k.k, k.eps, ct, r.const)
+
+
+def rms_scale(ss: str, n: int, eps: float, ct: str, const: Callable[[float, str], str]) -> str:
+    """An RMSNorm's ``rsqrt(ss / n + eps)`` in ``ct`` (a fused norm: a matmul's rows, attention's key rows):
+    IEEE division and square root."""
     if ct == "float32":
-        return f"tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn({ss}, {float(k.k)}) + {r.const(k.eps, ct)}))"
-    return f"1.0 / tl.sqrt({ss} / {float(k.k)} + {r.const(k.eps, ct)})"
+        return f"tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn({ss}, {float(n)}) + {const(eps, ct)}))"
+    return f"1.0 / tl.sqrt({ss} / {float(n)} + {const(eps, ct)})"
 
 
 def _dot(r: Renderer, k: Matmul, ct: str) -> None:

@@ -393,6 +393,10 @@ class _Renderer:
             emit("sc = s[:, None]")
             emit("dr = d[None, :]")
             kt = self.read(k.k, f"kb + {indexing.offset(['sc', 'dr'], ks[2:], self.ix)}")
+            if k.k_eps is not None:  # the fused RMSNorm of each key row, as a row kernel computes it
+                emit(f"kt = {kt}")
+                emit(f"rk = {matmul.rms_scale('tl.sum(kt * kt, 1)', k.head_dim, k.k_eps, ct, self.const)}")
+                kt = "(kt * rk[:, None])"
             emit(f"x = tl.where(m_s, tl.sum(qv[None, :] * {kt}, 1) * {self.const(k.scale, ct)}, "
                  f"{self.const(-math.inf, ct)})")
 
