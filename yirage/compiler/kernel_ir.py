@@ -237,9 +237,10 @@ class Embedding:
 @dataclass(frozen=True)
 class Attention:
     """Decode attention: one query per (batch, head) over its KV-cache rows. ``k_eps``: the key rows are
-    RMS-normalized first (an ``rms_norm`` fused in, QK-norm as in Qwen3 or Chameleon), each row ``k * (1 /
-    sqrt(sum(k * k) / head_dim + k_eps))`` as the row kernel computes it, in the compute type, inside the pass that
-    reads K once (an unfused plan writes the normalized keys out and reads them back: three passes over K)."""
+    RMS-normalized first (an ``rms_norm`` fused in: QK-norm; Qwen3's and Gemma 3's also have a gain, not fused),
+    each row ``k * (1 / sqrt(sum(k * k) / head_dim + k_eps))`` as the row kernel computes it, in the compute type,
+    inside the pass that reads K once (an unfused plan writes the normalized keys out and reads them back: three
+    passes over K)."""
 
     name: str
     out: str

@@ -259,8 +259,9 @@ def test_decode_attention(yirage_backend, yirage_dtypes, dtype, heads, kv_heads,
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
 @pytest.mark.parametrize("with_lengths", [False, True])
 def test_decode_attention_with_qk_norm(yirage_backend, yirage_dtypes, dtype, heads, kv_heads, with_lengths) -> None:
-    """QK-norm (Qwen3, Chameleon): the keys' RMSNorm fuses into the attention, the query's stays a row kernel; the
-    keys are scaled far from 1 (and one row is all zeros) so a missing or misplaced norm cannot pass."""
+    """QK-norm (a per-head RMSNorm of q and k): the keys' RMSNorm fuses into the attention, the query's stays a
+    row kernel; the keys are scaled far from 1 (and one row is all zeros) so a missing or misplaced norm cannot
+    pass."""
     _need(yirage_dtypes, dtype)
     g = yr.new_kernel_graph()
     q = g.new_input((2, heads, 16), dtype=dtype)
