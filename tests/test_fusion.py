@@ -120,11 +120,16 @@ def test_rotary_never_fuses_into_row_ops_or_matmuls() -> None:
     assert kinds(g) == ["Matmul", "Pointwise"]
 
 
-def _qk_norm(keys_also_output: bool = False, key_prologue: bool = False) -> yr.KernelGraph:
+def _qk_norm(keys_also_output: bool = False, key_prologue: bool = False, gain: tuple[int, ...] | None = None,
+             gain_first: bool = False) -> yr.KernelGraph:
     g = yr.new_kernel_graph()
     q, k, v = g.new_input((2, 8, 16)), g.new_input((2, 2, 5, 16)), g.new_input((2, 2, 5, 16))
     normed = g.rms_norm(g.mul(k, k) if key_prologue else k, (16,), eps=1e-5)
-    g.mark_output(g.attention(g.rms_norm(q, (16,)), normed, v))
+    keys = normed
+    if gain is not None:
+        w = g.new_input(gain)
+        keys = g.mul(w, normed) if gain_first else g.mul(normed, w)
+    g.mark_output(g.attention(g.rms_norm(q, (16,)), keys, v))
     if keys_also_output:
         g.mark_output(normed)
     return g
@@ -147,3 +152,21 @@ def test_what_feeds_a_fused_key_norm_is_materialized_not_inlined_into_attention(
     kernels = build_plan(_qk_norm(key_prologue=True)).kernels
     assert [type(k).__name__ for k in kernels] == ["Pointwise", "Row", "Attention"]
     assert kernels[-1].k == kernels[0].out and kernels[-1].k_eps == 1e-5
+
+
+def test_a_gain_over_the_head_dim_after_the_keys_norm_fuses_too_in_either_operand_order() -> None:
+    for gain, first in (((16,), False), ((16,), True), ((1, 1, 1, 16), False)):
+        row, att = build_plan(_qk_norm(gain=gain, gain_first=first)).kernels
+        assert isinstance(row, Row) and isinstance(att, Attention)
+        assert (att.k, att.k_eps, att.k_gain) == ("in1", 1e-5, "in3")
+
+
+def test_a_gain_is_not_fused_where_it_is_not_over_the_head_dim_alone_or_the_norm_is_read_elsewhere() -> None:
+    kernels = build_plan(_qk_norm(gain=(2, 2, 5, 16))).kernels  # a per-element factor: the norm's epilogue
+    assert [type(k).__name__ for k in kernels] == ["Row", "Row", "Attention"]
+    assert kernels[-1].k_eps is None and kernels[-1].k_gain is None
+    kernels = build_plan(_qk_norm(gain=(16,), keys_also_output=True)).kernels
+    assert [type(k).__name__ for k in kernels] == ["Row", "Pointwise", "Row", "Attention"]
+    assert kernels[-1].k_eps is None and kernels[-1].k_gain is None
+    kernels = build_plan(_qk_norm(gain=(16,)), FusionPolicy(rms_scale=False)).kernels
+    assert kernels[-1].k_eps is None and kernels[-1].k_gain is None

@@ -371,7 +371,7 @@ class _Renderer:
         s = SUFFIX[ct]
         pairs = k.batch * k.heads
         sc = self.add_scratch(f"s_{k.name}_sc", pairs * k.seq, ct)
-        args = [k.out, k.q, k.k, k.v] + ([k.lengths] if k.lengths else [])
+        args = [k.out, k.q, k.k, k.v] + [b for b in (k.lengths, k.k_gain) if b]
         check = None
         if k.lengths:
             status = self.add_scratch(f"{k.name}_st", 1, "int32")
@@ -411,7 +411,6 @@ class _Renderer:
         with emit.block(f"for ({it} s = lid; s < n; s += {local}) {{"):
             emit(f"{t} acc = {self.const(0, ct)};")
             emit(f"{it} kr = {indexing.at('kb', 's', ks[2], self.ix)};")
-            scaled = ""
             if k.k_eps is not None:  # the fused RMSNorm of this key row, as a row kernel computes it
                 emit(f"{t} ss = {self.const(0, ct)};")
                 self.ilp_loop("d", "0", k.head_dim, 1, lambda u, at: [
@@ -420,10 +419,18 @@ class _Renderer:
                 sqrt = self.d.math["sqrt"]
                 emit(f"{t} rk = {self.const(1, ct)} / {sqrt}(ss / {self.const(k.head_dim, ct)} + "
                      f"{self.const(k.k_eps, ct)});")
-                scaled = " * rk"
+
+            def key(at: str) -> str:  # K[d], normalized (and times the gain that follows the norm) where fused
+                x = self.read(k.k, indexing.at("kr", at, ks[3], self.ix))
+                x = x if k.k_eps is None else f"{x} * rk"
+                if k.k_gain:
+                    gs = self.buffers[k.k_gain].strides[-1]
+                    x = f"{x} * {self.read(k.k_gain, indexing.at('0', at, gs, self.ix))}"
+                return x
+
             self.ilp_loop("d", "0", k.head_dim, 1, lambda u, at: [
                 f"{t} q{u} = {self.read(k.q, indexing.at('qb', at, qs[2], self.ix))};",
-                f"{t} k{u} = {self.read(k.k, indexing.at('kr', at, ks[3], self.ix))}{scaled};"],
+                f"{t} k{u} = {key(at)};"],
                 lambda u, _: [f"acc = acc + q{u} * k{u};"])
             emit(f"acc = acc * {self.const(k.scale, ct)};")
             emit(f"{sc}[sb + s] = acc;")

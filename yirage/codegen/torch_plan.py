@@ -324,13 +324,15 @@ class _Builder:
         dtype = _TORCH_DTYPES[ct]
         store = self.store(k.out, (k.batch, k.heads, k.head_dim), fresh=True)
         b_, hkv, group, d, seq, scale = k.batch, k.kv_heads, k.heads // k.kv_heads, k.head_dim, k.seq, k.scale
-        names, lengths, k_eps = (k.q, k.k, k.v), k.lengths, k.k_eps
+        names, lengths, k_eps, k_gain = (k.q, k.k, k.v), k.lengths, k.k_eps, k.k_gain
         message = f"attention lengths must lie in [1, {seq}]; batch {{pos}} has length {{value}}"
 
         def step(values: Values) -> None:
             q, kc, vc = (values[n] if values[n].dtype == dtype else values[n].to(dtype) for n in names)
             if k_eps is not None:  # the fused RMSNorm of the key rows, as the row kernel computes it
                 kc = kc * (1.0 / torch.sqrt(torch.sum(kc * kc, dim=-1, keepdim=True) / d + k_eps))
+            if k_gain is not None:  # the gain over the head dim that follows the norm
+                kc = kc * values[k_gain].to(dtype).reshape(d)
             scores = torch.matmul(q.reshape(b_, hkv, group, d), kc.transpose(-1, -2)) * scale  # (B, Hkv, G, S)
             if lengths is not None:
                 n = values[lengths]

@@ -10,8 +10,9 @@ consumer and the group can absorb it:
   kernel, and so is ``matmul + residual``);
 * an RMSNorm reaching a matmul's A operand through multiplications (its
   weight) fuses as a per-row scale applied after the matmul, as in Mirage;
-* an RMSNorm that is attention's key operand (QK-norm) fuses into the
-  attention, which normalizes each key row as it reads it;
+* an RMSNorm that is attention's key operand (QK-norm), alone or times a
+  gain over the head dim (Qwen3's, Gemma 3's), fuses into the attention,
+  which normalizes each key row as it reads it;
 * embedding and attention are otherwise kernels of their own; RoPE's rotated
   operand and matmul B operands are always read from memory.
 
@@ -60,7 +61,8 @@ class Group:
     root: int
     members: set[int] = field(default_factory=set)
     anchor: int | None = None
-    rms: int | None = None  # an rms_norm fused into the anchor matmul as a row scale
+    rms: int | None = None  # an rms_norm fused into the anchor matmul as a row scale, or into attention's keys
+    gain: int | None = None  # the mul of a gain over that rms_norm, attention's key operand (QK-norm)
     rotary: bool = False  # rotate_half reads are only rendered in pure elementwise kernels
 
 
@@ -103,9 +105,10 @@ def _path_is_multiplicative(graph: KernelGraph, start: int, group: Group, users:
 
 def _can_inline(graph: KernelGraph, n: Node, c: Node, group: Group, users: dict[int, list[int]],
                 policy: FusionPolicy = DEFAULT_POLICY) -> str | None:
-    """How ``n`` joins ``c``'s group: "member", "anchor", "rms", or None (``policy`` may forbid each way)."""
+    """How ``n`` joins ``c``'s group: "member", "anchor", "rms", "gain", or None (``policy`` may forbid each
+    way)."""
     how = _inline_kind(graph, n, c, group, users)
-    if how == "anchor" and not policy.epilogue or how == "rms" and not policy.rms_scale:
+    if how == "anchor" and not policy.epilogue or how in ("rms", "gain") and not policy.rms_scale:
         return None
     if how == "member":
         into_anchor = kind(c) != "pointwise" or group.anchor is not None
@@ -118,7 +121,7 @@ def _inline_kind(graph: KernelGraph, n: Node, c: Node, group: Group, users: dict
     kn, kc = kind(n), kind(c)
     root = graph.nodes[group.root]
     if group.anchor is not None and graph.nodes[group.anchor].op == "attention":
-        return _into_attention(n, c, group)
+        return _into_attention(graph, n, c, group, users)
     if kn == "pointwise":
         if n.op == "rotary" and (group.anchor is not None or kc != "pointwise"):
             return None  # RoPE's rotated read only exists in elementwise kernels
@@ -150,10 +153,32 @@ def _inline_kind(graph: KernelGraph, n: Node, c: Node, group: Group, users: dict
     return None
 
 
-def _into_attention(n: Node, c: Node, group: Group) -> str | None:
-    """An attention kernel reads buffers; the one node it takes in is an RMSNorm that is only its key operand."""
-    is_key = c.id == group.anchor and c.inputs[1] == n.id and n.id not in (c.inputs[0], *c.inputs[2:])
-    return "rms" if n.op == "rms_norm" and group.rms is None and is_key else None
+def _into_attention(graph: KernelGraph, n: Node, c: Node, group: Group, users: dict[int, list[int]]) -> str | None:
+    """An attention kernel reads buffers; what it takes in is its key operand's RMSNorm: the operand itself, or
+    the norm under a gain mul that is the operand (``gain_of``)."""
+    attention = graph.nodes[group.anchor]
+    is_key = c.id == group.anchor and attention.inputs[1] == n.id
+    if is_key and n.id in (attention.inputs[0], *attention.inputs[2:]):
+        return None  # the keys are also the query or the values: keep them in memory
+    if n.op == "rms_norm" and group.rms is None and (is_key or c.id == group.gain):
+        return "rms"
+    if is_key and group.gain is None and gain_of(graph, n, users) is not None:
+        return "gain"
+    return None
+
+
+def gain_of(graph: KernelGraph, mul: Node, users: dict[int, list[int]]) -> tuple[Node, Node] | None:
+    """(the RMSNorm, the gain) where ``mul`` is ``rms_norm(k) * w`` (either order) with ``w`` over the last dim
+    only (shape (D,), or 1s then D) and the norm read by nothing else; else None."""
+    if mul.op != "mul" or mul.inputs[0] == mul.inputs[1]:
+        return None
+    for norm_id, w_id in (mul.inputs, mul.inputs[::-1]):
+        norm, w = graph.nodes[norm_id], graph.nodes[w_id]
+        over_last = w.dims[-1:] == mul.dims[-1:] and all(d == 1 for d in w.dims[:-1])
+        alone = users[norm_id] == [mul.id] and norm_id not in graph.outputs
+        if norm.op == "rms_norm" and norm.dims == mul.dims and over_last and alone:
+            return norm, w
+    return None
 
 
 def partition(graph: KernelGraph, policy: FusionPolicy = DEFAULT_POLICY) -> list[Group]:
@@ -184,6 +209,8 @@ def partition(graph: KernelGraph, policy: FusionPolicy = DEFAULT_POLICY) -> list
             group.anchor = n.id
         elif how == "rms":
             group.rms = n.id
+        elif how == "gain":
+            group.gain = n.id
         group.members.add(n.id)
         group.rotary = group.rotary or n.op == "rotary"
         group_of[n.id] = group

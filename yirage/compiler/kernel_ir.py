@@ -237,10 +237,10 @@ class Embedding:
 @dataclass(frozen=True)
 class Attention:
     """Decode attention: one query per (batch, head) over its KV-cache rows. ``k_eps``: the key rows are
-    RMS-normalized first (an ``rms_norm`` fused in: QK-norm; Qwen3's and Gemma 3's also have a gain, not fused),
-    each row ``k * (1 / sqrt(sum(k * k) / head_dim + k_eps))`` as the row kernel computes it, in the compute type,
-    inside the pass that reads K once (an unfused plan writes the normalized keys out and reads them back: three
-    passes over K)."""
+    RMS-normalized first (an ``rms_norm`` fused in: QK-norm), each row ``k * (1 / sqrt(sum(k * k) / head_dim +
+    k_eps))`` as the row kernel computes it, then times ``k_gain[d]`` where a gain over the head dim follows the
+    norm (Qwen3's, Gemma 3's), in the compute type, inside the pass that reads K once (an unfused plan writes the
+    normalized keys out and reads them back: three passes over K)."""
 
     name: str
     out: str
@@ -255,15 +255,17 @@ class Attention:
     head_dim: int
     scale: float
     k_eps: float | None = None
+    k_gain: str | None = None  # a buffer of head_dim values (its other dims 1), only with k_eps
 
     def reads(self) -> list[str]:
-        return [self.q, self.k, self.v] + ([self.lengths] if self.lengths else [])
+        return [self.q, self.k, self.v] + [b for b in (self.lengths, self.k_gain) if b]
 
     def lines(self) -> list[str]:
         span = f"s < {self.lengths}[b]" if self.lengths else f"s < {self.seq}"
         key = f"{self.k}[b, kvh, s]"
+        gain = f" * {self.k_gain}[:]" if self.k_gain else ""
         norm = [] if self.k_eps is None else [
-            f"kn[s] = {key} * (1 / sqrt(sum({key}^2) / {self.head_dim} + {self.k_eps:.6g}))  (rms_norm fused)"]
+            f"kn[s] = {key} * (1 / sqrt(sum({key}^2) / {self.head_dim} + {self.k_eps:.6g})){gain}  (rms_norm fused)"]
         return [
             f"grid: one (batch, head) of ({self.batch}, {self.heads}) each; "
             f"kv head = h // {self.heads // self.kv_heads}",

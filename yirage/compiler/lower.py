@@ -92,12 +92,17 @@ class _Lowerer:
             lengths = self.buffer_of[anchor.inputs[3]] if len(anchor.inputs) > 3 else None
             b, h, d = q.dims
             scale = anchor.attrs["scale"] if anchor.attrs["scale"] is not None else 1.0 / math.sqrt(d)
-            k_eps = None
+            k_eps, k_gain = None, None
             if group.rms is not None:  # QK-norm: the attention reads the RMSNorm's input and normalizes it
                 rms = self.graph.nodes[group.rms]
                 k, k_eps = self.graph.nodes[rms.inputs[0]], float(rms.attrs["eps"])
+            if group.gain is not None:  # ... then multiplies it by the gain (fusion.gain_of)
+                (w,) = [i for i in self.graph.nodes[group.gain].inputs if i != group.rms]
+                assert group.rms is not None, "partition fused a key gain without its norm"
+                k_gain = self.buffer_of[w]
             return Attention(name, out, self.buffer_of[q.id], self.buffer_of[k.id],
-                             self.buffer_of[anchor.inputs[2]], lengths, b, h, k.dims[1], k.dims[2], d, scale, k_eps)
+                             self.buffer_of[anchor.inputs[2]], lengths, b, h, k.dims[1], k.dims[2], d, scale, k_eps,
+                             k_gain)
         raise AssertionError(anchor.op)
 
     def lower_matmul(self, name: str, out: str, group: Group, root: Node, anchor: Node) -> Matmul:

@@ -172,7 +172,7 @@ def render_attention(k: Attention, buffers: dict[str, Buffer], emit: Emitter, kn
     order per head either way, so the same bits."""
     out, q, kc, vc = (buffers[x] for x in (k.out, k.q, k.k, k.v))
     ct = compute_type(out)
-    args = [out, q, kc, vc] + ([buffers[k.lengths]] if k.lengths else [])
+    args = [out, q, kc, vc] + [buffers[b] for b in (k.lengths, k.k_gain) if b]
     group = k.heads // k.kv_heads
     per = knobs.get("heads_per_pass", heads_per_pass(k))
     if per not in (1, group):
@@ -213,6 +213,8 @@ def render_attention(k: Attention, buffers: dict[str, Buffer], emit: Emitter, kn
                         emit(f"ss = {acc_src('ss', f'{k_d} * {k_d}', ct)}")
                     emit(f"rk = {const(1, ct)} / math.sqrt(ss / {const(k.head_dim, ct)} + {const(k.k_eps, ct)})")
                     k_d = f"({k_d} * rk)"
+                    if k.k_gain:  # the gain over the head dim that follows the norm
+                        k_d = f"({k_d} * {k.k_gain}[{at('U(0)', 'd', buffers[k.k_gain].strides[-1])}])"
                 with emit.block(f"for j in range(U({per})):"):
                     emit(f"qb = {offset(['b', '(h0 + j)'], qs[:2])}")
                     emit(f"acc = {const(0, ct)}")

@@ -358,7 +358,7 @@ class _Renderer:
         ct = compute_type(out)
         tt = TL_TYPE[ct]
         exp = (lambda a: f"{self.use('y_exp32')}({a})") if ct == "float32" else (lambda a: f"tl.exp({a})")
-        args = [k.out, k.q, k.k, k.v] + ([k.lengths] if k.lengths else [])
+        args = [k.out, k.q, k.k, k.v] + [b for b in (k.lengths, k.k_gain) if b]
         check = None
         if k.lengths:
             status = self.add_scratch(f"{k.name}_st", 1, "int32")
@@ -383,6 +383,8 @@ class _Renderer:
         self.vector("d", "tl.arange(0, BLOCK_D)", k.head_dim)
         qs, ks, vs = q.strides, kc.strides, vc.strides
         emit(f"qv = {self.read(k.q, indexing.offset(['b', 'h', 'd'], qs, self.ix))}")
+        if k.k_gain:  # the gain over the head dim that follows the keys' norm
+            emit(f"gv = {self.read(k.k_gain, indexing.at('0', 'd', self.buffers[k.k_gain].strides[-1], self.ix))}")
         emit(f"kb = {indexing.offset(['b', 'g'], ks[:2], self.ix)}")
         emit(f"vb = {indexing.offset(['b', 'g'], vs[:2], self.ix)}")
         self.masks["sc"] = "m_s[:, None]"
@@ -396,7 +398,7 @@ class _Renderer:
             if k.k_eps is not None:  # the fused RMSNorm of each key row, as a row kernel computes it
                 emit(f"kt = {kt}")
                 emit(f"rk = {matmul.rms_scale('tl.sum(kt * kt, 1)', k.head_dim, k.k_eps, ct, self.const)}")
-                kt = "(kt * rk[:, None])"
+                kt = "(kt * rk[:, None] * gv[None, :])" if k.k_gain else "(kt * rk[:, None])"
             emit(f"x = tl.where(m_s, tl.sum(qv[None, :] * {kt}, 1) * {self.const(k.scale, ct)}, "
                  f"{self.const(-math.inf, ct)})")
 
