@@ -135,38 +135,49 @@ def _qk_norm(keys_also_output: bool = False, key_prologue: bool = False, gain: t
     return g
 
 
-def test_the_keys_rmsnorm_fuses_into_attention_and_the_querys_stays_a_row_kernel() -> None:
-    row, att = build_plan(_qk_norm()).kernels
-    assert isinstance(row, Row) and isinstance(att, Attention)
-    assert (att.q, att.k, att.v, att.k_eps) == (row.out, "in1", "in2", 1e-5)  # the keys read as they are
+def test_the_query_and_key_rmsnorms_fuse_into_attention() -> None:
+    (att,) = build_plan(_qk_norm()).kernels
+    assert isinstance(att, Attention)
+    assert (att.q, att.k, att.v, att.q_eps, att.k_eps) == ("in0", "in1", "in2", 1e-6, 1e-5)  # read as they are
 
 
 def test_the_keys_rmsnorm_stays_apart_where_it_is_also_an_output_or_the_policy_says_so() -> None:
     kernels = build_plan(_qk_norm(keys_also_output=True)).kernels
-    assert [type(k).__name__ for k in kernels] == ["Row", "Row", "Attention"] and kernels[-1].k_eps is None
+    assert [type(k).__name__ for k in kernels] == ["Row", "Attention"]
+    assert (kernels[-1].k_eps, kernels[-1].q_eps) == (None, 1e-6)
     kernels = build_plan(_qk_norm(), FusionPolicy(rms_scale=False)).kernels
-    assert [type(k).__name__ for k in kernels] == ["Row", "Row", "Attention"] and kernels[-1].k_eps is None
+    assert [type(k).__name__ for k in kernels] == ["Row", "Row", "Attention"]
+    assert (kernels[-1].k_eps, kernels[-1].q_eps) == (None, None)
+
+
+def test_a_norm_read_as_both_keys_and_values_is_kept_in_memory() -> None:
+    g = yr.new_kernel_graph()
+    q, k = g.new_input((2, 2, 16)), g.new_input((2, 2, 3, 16))
+    n = g.rms_norm(k, (16,))
+    g.mark_output(g.attention(q, n, n))
+    row, att = build_plan(g).kernels
+    assert isinstance(row, Row) and (att.k, att.v, att.k_eps) == (row.out, row.out, None)
 
 
 def test_what_feeds_a_fused_key_norm_is_materialized_not_inlined_into_attention() -> None:
     kernels = build_plan(_qk_norm(key_prologue=True)).kernels
-    assert [type(k).__name__ for k in kernels] == ["Pointwise", "Row", "Attention"]
+    assert [type(k).__name__ for k in kernels] == ["Pointwise", "Attention"]
     assert kernels[-1].k == kernels[0].out and kernels[-1].k_eps == 1e-5
 
 
 def test_a_gain_over_the_head_dim_after_the_keys_norm_fuses_too_in_either_operand_order() -> None:
     for gain, first in (((16,), False), ((16,), True), ((1, 1, 1, 16), False)):
-        row, att = build_plan(_qk_norm(gain=gain, gain_first=first)).kernels
-        assert isinstance(row, Row) and isinstance(att, Attention)
-        assert (att.k, att.k_eps, att.k_gain) == ("in1", 1e-5, "in3")
+        (att,) = build_plan(_qk_norm(gain=gain, gain_first=first)).kernels
+        assert isinstance(att, Attention)
+        assert (att.k, att.k_eps, att.k_gain, att.q_gain) == ("in1", 1e-5, "in3", None)
 
 
 def test_a_gain_is_not_fused_where_it_is_not_over_the_head_dim_alone_or_the_norm_is_read_elsewhere() -> None:
     kernels = build_plan(_qk_norm(gain=(2, 2, 5, 16))).kernels  # a per-element factor: the norm's epilogue
-    assert [type(k).__name__ for k in kernels] == ["Row", "Row", "Attention"]
+    assert [type(k).__name__ for k in kernels] == ["Row", "Attention"]
     assert kernels[-1].k_eps is None and kernels[-1].k_gain is None
     kernels = build_plan(_qk_norm(gain=(16,), keys_also_output=True)).kernels
-    assert [type(k).__name__ for k in kernels] == ["Row", "Pointwise", "Row", "Attention"]
+    assert [type(k).__name__ for k in kernels] == ["Row", "Pointwise", "Attention"]
     assert kernels[-1].k_eps is None and kernels[-1].k_gain is None
     kernels = build_plan(_qk_norm(gain=(16,)), FusionPolicy(rms_scale=False)).kernels
     assert kernels[-1].k_eps is None and kernels[-1].k_gain is None

@@ -371,7 +371,7 @@ class _Renderer:
         s = SUFFIX[ct]
         pairs = k.batch * k.heads
         sc = self.add_scratch(f"s_{k.name}_sc", pairs * k.seq, ct)
-        args = [k.out, k.q, k.k, k.v] + [b for b in (k.lengths, k.k_gain) if b]
+        args = [k.out, k.q, k.k, k.v] + [b for b in (k.lengths, *k.gains()) if b]
         check = None
         if k.lengths:
             status = self.add_scratch(f"{k.name}_st", 1, "int32")
@@ -408,6 +408,24 @@ class _Renderer:
         emit(f"{it} vb = {indexing.offset(['b', 'g'], vs[:2], self.ix)};")
         emit(f"{it} sb = gid * {k.seq};")
         emit(f"{t} mx = {self.const(-math.inf, ct)};")
+        sqrt = self.d.math["sqrt"]
+        if k.q_eps is not None:  # the fused RMSNorm of the query row (each thread its own copy of the scale)
+            emit(f"{t} sq = {self.const(0, ct)};")
+            self.ilp_loop("d", "0", k.head_dim, 1, lambda u, at: [
+                f"{t} y{u} = {self.read(k.q, indexing.at('qb', at, qs[2], self.ix))};"],
+                lambda u, _: [f"sq = sq + y{u} * y{u};"])
+            emit(f"{t} rq = {self.const(1, ct)} / {sqrt}(sq / {self.const(k.head_dim, ct)} + "
+                 f"{self.const(k.q_eps, ct)});")
+
+        def normed(buffer: str, base: str, stride: int, at: str, eps: float | None, scale: str,
+                   gain: str | None) -> str:  # a query or key element, normalized (times the gain) where fused
+            x = self.read(buffer, indexing.at(base, at, stride, self.ix))
+            x = x if eps is None else f"{x} * {scale}"
+            if gain:
+                gs = self.buffers[gain].strides[-1]
+                x = f"{x} * {self.read(gain, indexing.at('0', at, gs, self.ix))}"
+            return x
+
         with emit.block(f"for ({it} s = lid; s < n; s += {local}) {{"):
             emit(f"{t} acc = {self.const(0, ct)};")
             emit(f"{it} kr = {indexing.at('kb', 's', ks[2], self.ix)};")
@@ -416,21 +434,11 @@ class _Renderer:
                 self.ilp_loop("d", "0", k.head_dim, 1, lambda u, at: [
                     f"{t} x{u} = {self.read(k.k, indexing.at('kr', at, ks[3], self.ix))};"],
                     lambda u, _: [f"ss = ss + x{u} * x{u};"])
-                sqrt = self.d.math["sqrt"]
                 emit(f"{t} rk = {self.const(1, ct)} / {sqrt}(ss / {self.const(k.head_dim, ct)} + "
                      f"{self.const(k.k_eps, ct)});")
-
-            def key(at: str) -> str:  # K[d], normalized (and times the gain that follows the norm) where fused
-                x = self.read(k.k, indexing.at("kr", at, ks[3], self.ix))
-                x = x if k.k_eps is None else f"{x} * rk"
-                if k.k_gain:
-                    gs = self.buffers[k.k_gain].strides[-1]
-                    x = f"{x} * {self.read(k.k_gain, indexing.at('0', at, gs, self.ix))}"
-                return x
-
             self.ilp_loop("d", "0", k.head_dim, 1, lambda u, at: [
-                f"{t} q{u} = {self.read(k.q, indexing.at('qb', at, qs[2], self.ix))};",
-                f"{t} k{u} = {key(at)};"],
+                f"{t} q{u} = {normed(k.q, 'qb', qs[2], at, k.q_eps, 'rq', k.q_gain)};",
+                f"{t} k{u} = {normed(k.k, 'kr', ks[3], at, k.k_eps, 'rk', k.k_gain)};"],
                 lambda u, _: [f"acc = acc + q{u} * k{u};"])
             emit(f"acc = acc * {self.const(k.scale, ct)};")
             emit(f"{sc}[sb + s] = acc;")

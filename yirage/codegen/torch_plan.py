@@ -324,15 +324,19 @@ class _Builder:
         dtype = _TORCH_DTYPES[ct]
         store = self.store(k.out, (k.batch, k.heads, k.head_dim), fresh=True)
         b_, hkv, group, d, seq, scale = k.batch, k.kv_heads, k.heads // k.kv_heads, k.head_dim, k.seq, k.scale
-        names, lengths, k_eps, k_gain = (k.q, k.k, k.v), k.lengths, k.k_eps, k.k_gain
+        names, lengths = (k.q, k.k, k.v), k.lengths
+        norms = ((0, k.q_eps, k.q_gain), (1, k.k_eps, k.k_gain))  # (q or k, eps, gain): QK-norm fused
         message = f"attention lengths must lie in [1, {seq}]; batch {{pos}} has length {{value}}"
 
         def step(values: Values) -> None:
-            q, kc, vc = (values[n] if values[n].dtype == dtype else values[n].to(dtype) for n in names)
-            if k_eps is not None:  # the fused RMSNorm of the key rows, as the row kernel computes it
-                kc = kc * (1.0 / torch.sqrt(torch.sum(kc * kc, dim=-1, keepdim=True) / d + k_eps))
-            if k_gain is not None:  # the gain over the head dim that follows the norm
-                kc = kc * values[k_gain].to(dtype).reshape(d)
+            qkv = [values[n] if values[n].dtype == dtype else values[n].to(dtype) for n in names]
+            for at, eps, gain in norms:  # the fused RMSNorm of the query or key rows, as the row kernel computes it
+                if eps is not None:
+                    x = qkv[at]
+                    qkv[at] = x * (1.0 / torch.sqrt(torch.sum(x * x, dim=-1, keepdim=True) / d + eps))
+                if gain is not None:  # times the gain over the head dim that follows the norm
+                    qkv[at] = qkv[at] * values[gain].to(dtype).reshape(d)
+            q, kc, vc = qkv
             scores = torch.matmul(q.reshape(b_, hkv, group, d), kc.transpose(-1, -2)) * scale  # (B, Hkv, G, S)
             if lengths is not None:
                 n = values[lengths]

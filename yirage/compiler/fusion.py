@@ -10,9 +10,9 @@ consumer and the group can absorb it:
   kernel, and so is ``matmul + residual``);
 * an RMSNorm reaching a matmul's A operand through multiplications (its
   weight) fuses as a per-row scale applied after the matmul, as in Mirage;
-* an RMSNorm that is attention's key operand (QK-norm), alone or times a
-  gain over the head dim (Qwen3's, Gemma 3's), fuses into the attention,
-  which normalizes each key row as it reads it;
+* an RMSNorm that is attention's query or key operand (QK-norm), alone or
+  times a gain over the head dim (Qwen3's, Gemma 3's), fuses into the
+  attention, which normalizes each query and key row as it reads it;
 * embedding and attention are otherwise kernels of their own; RoPE's rotated
   operand and matmul B operands are always read from memory.
 
@@ -36,7 +36,7 @@ class FusionPolicy:
     chains: bool = True  # pointwise ops into pointwise consumers
     prologue: bool = True  # pointwise ops into a row op's rows or a matmul's A operand
     epilogue: bool = True  # pointwise consumers of a matmul or row op over its whole output
-    rms_scale: bool = True  # an RMSNorm into a matmul as a per-row scale, or into attention as its key rows' norm
+    rms_scale: bool = True  # an RMSNorm into a matmul as a per-row scale, or into attention (QK-norm)
 
     @property
     def name(self) -> str:
@@ -61,8 +61,10 @@ class Group:
     root: int
     members: set[int] = field(default_factory=set)
     anchor: int | None = None
-    rms: int | None = None  # an rms_norm fused into the anchor matmul as a row scale, or into attention's keys
-    gain: int | None = None  # the mul of a gain over that rms_norm, attention's key operand (QK-norm)
+    rms: int | None = None  # an rms_norm fused into the anchor matmul as a row scale
+    #: QK-norm fused into an attention anchor: node -> its role, "q" / "k" (an rms_norm of that operand) or
+    #: "q gain" / "k gain" (the mul of a gain over it, then the operand)
+    norms: dict[int, str] = field(default_factory=dict)
     rotary: bool = False  # rotate_half reads are only rendered in pure elementwise kernels
 
 
@@ -105,10 +107,10 @@ def _path_is_multiplicative(graph: KernelGraph, start: int, group: Group, users:
 
 def _can_inline(graph: KernelGraph, n: Node, c: Node, group: Group, users: dict[int, list[int]],
                 policy: FusionPolicy = DEFAULT_POLICY) -> str | None:
-    """How ``n`` joins ``c``'s group: "member", "anchor", "rms", "gain", or None (``policy`` may forbid each
-    way)."""
+    """How ``n`` joins ``c``'s group: "member", "anchor", "rms", a QK-norm role (``Group.norms``), or None
+    (``policy`` may forbid each way)."""
     how = _inline_kind(graph, n, c, group, users)
-    if how == "anchor" and not policy.epilogue or how in ("rms", "gain") and not policy.rms_scale:
+    if how == "anchor" and not policy.epilogue or how in ("rms", *NORM_ROLES) and not policy.rms_scale:
         return None
     if how == "member":
         into_anchor = kind(c) != "pointwise" or group.anchor is not None
@@ -153,18 +155,24 @@ def _inline_kind(graph: KernelGraph, n: Node, c: Node, group: Group, users: dict
     return None
 
 
+NORM_ROLES = ("q", "k", "q gain", "k gain")
+
+
 def _into_attention(graph: KernelGraph, n: Node, c: Node, group: Group, users: dict[int, list[int]]) -> str | None:
-    """An attention kernel reads buffers; what it takes in is its key operand's RMSNorm: the operand itself, or
-    the norm under a gain mul that is the operand (``gain_of``)."""
+    """An attention kernel reads buffers; what it takes in is the RMSNorm of its query or key operand: the operand
+    itself, or the norm under a gain mul that is the operand (``gain_of``). Its role (``Group.norms``) or None."""
     attention = graph.nodes[group.anchor]
-    is_key = c.id == group.anchor and attention.inputs[1] == n.id
-    if is_key and n.id in (attention.inputs[0], *attention.inputs[2:]):
-        return None  # the keys are also the query or the values: keep them in memory
-    if n.op == "rms_norm" and group.rms is None and (is_key or c.id == group.gain):
-        return "rms"
-    if is_key and group.gain is None and gain_of(graph, n, users) is not None:
-        return "gain"
-    return None
+    if c.id == group.anchor:
+        if n.id not in attention.inputs[:2] or attention.inputs.count(n.id) != 1:
+            return None  # the values, or an operand read twice (q = k): kept in memory
+        side = "q" if attention.inputs[0] == n.id else "k"
+        if n.op == "mul" and gain_of(graph, n, users) is not None:
+            return f"{side} gain"
+    elif group.norms.get(c.id, "").endswith(" gain"):
+        side = group.norms[c.id][0]
+    else:
+        return None
+    return side if n.op == "rms_norm" and side not in group.norms.values() else None
 
 
 def gain_of(graph: KernelGraph, mul: Node, users: dict[int, list[int]]) -> tuple[Node, Node] | None:
@@ -209,8 +217,8 @@ def partition(graph: KernelGraph, policy: FusionPolicy = DEFAULT_POLICY) -> list
             group.anchor = n.id
         elif how == "rms":
             group.rms = n.id
-        elif how == "gain":
-            group.gain = n.id
+        elif how in NORM_ROLES:
+            group.norms[n.id] = how
         group.members.add(n.id)
         group.rotary = group.rotary or n.op == "rotary"
         group_of[n.id] = group

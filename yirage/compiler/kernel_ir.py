@@ -240,7 +240,8 @@ class Attention:
     RMS-normalized first (an ``rms_norm`` fused in: QK-norm), each row ``k * (1 / sqrt(sum(k * k) / head_dim +
     k_eps))`` as the row kernel computes it, then times ``k_gain[d]`` where a gain over the head dim follows the
     norm (Qwen3's, Gemma 3's), in the compute type, inside the pass that reads K once (an unfused plan writes the
-    normalized keys out and reads them back: three passes over K)."""
+    normalized keys out and reads them back: three passes over K). ``q_eps`` / ``q_gain``: the same for the query
+    rows (one kernel launch fewer)."""
 
     name: str
     out: str
@@ -256,21 +257,33 @@ class Attention:
     scale: float
     k_eps: float | None = None
     k_gain: str | None = None  # a buffer of head_dim values (its other dims 1), only with k_eps
+    q_eps: float | None = None
+    q_gain: str | None = None  # as k_gain, only with q_eps
 
     def reads(self) -> list[str]:
-        return [self.q, self.k, self.v] + [b for b in (self.lengths, self.k_gain) if b]
+        return [self.q, self.k, self.v] + [b for b in (self.lengths, self.k_gain, self.q_gain) if b]
+
+    def gains(self) -> list[str]:
+        """The gain buffers the kernel reads after q, k, v and the lengths (the renderers' argument order)."""
+        return [b for b in (self.k_gain, self.q_gain) if b]
 
     def lines(self) -> list[str]:
         span = f"s < {self.lengths}[b]" if self.lengths else f"s < {self.seq}"
         key = f"{self.k}[b, kvh, s]"
-        gain = f" * {self.k_gain}[:]" if self.k_gain else ""
-        norm = [] if self.k_eps is None else [
-            f"kn[s] = {key} * (1 / sqrt(sum({key}^2) / {self.head_dim} + {self.k_eps:.6g})){gain}  (rms_norm fused)"]
+        query = f"{self.q}[b, h]"
+        norms = []
+        for name, row, eps, gain in (("qn", query, self.q_eps, self.q_gain), ("kn[s]", key, self.k_eps, self.k_gain)):
+            if eps is not None:
+                times = f" * {gain}[:]" if gain else ""
+                norms.append(f"{name} = {row} * (1 / sqrt(sum({row}^2) / {self.head_dim} + {eps:.6g})){times}  "
+                             "(rms_norm fused)")
+        q_row = "qn" if self.q_eps is not None else query
+        k_row = "kn[s]" if self.k_eps is not None else key
         return [
             f"grid: one (batch, head) of ({self.batch}, {self.heads}) each; "
             f"kv head = h // {self.heads // self.kv_heads}",
-            *norm,
-            f"p[s] = softmax_s({self.scale:.6g} * dot({self.q}[b, h], {'kn[s]' if norm else key}))  for {span}",
+            *norms,
+            f"p[s] = softmax_s({self.scale:.6g} * dot({q_row}, {k_row}))  for {span}",
             f"{self.out}[b, h, :] = sum_s p[s] * {self.v}[b, kvh, s, :]",
         ]
 

@@ -92,18 +92,23 @@ class _Lowerer:
             lengths = self.buffer_of[anchor.inputs[3]] if len(anchor.inputs) > 3 else None
             b, h, d = q.dims
             scale = anchor.attrs["scale"] if anchor.attrs["scale"] is not None else 1.0 / math.sqrt(d)
-            k_eps, k_gain = None, None
-            if group.rms is not None:  # QK-norm: the attention reads the RMSNorm's input and normalizes it
-                rms = self.graph.nodes[group.rms]
-                k, k_eps = self.graph.nodes[rms.inputs[0]], float(rms.attrs["eps"])
-            if group.gain is not None:  # ... then multiplies it by the gain (fusion.gain_of)
-                (w,) = [i for i in self.graph.nodes[group.gain].inputs if i != group.rms]
-                assert group.rms is not None, "partition fused a key gain without its norm"
-                k_gain = self.buffer_of[w]
-            return Attention(name, out, self.buffer_of[q.id], self.buffer_of[k.id],
-                             self.buffer_of[anchor.inputs[2]], lengths, b, h, k.dims[1], k.dims[2], d, scale, k_eps,
-                             k_gain)
+            q_in, q_eps, q_gain = self.normed(group, "q", q)
+            k_in, k_eps, k_gain = self.normed(group, "k", k)
+            return Attention(name, out, q_in, k_in, self.buffer_of[anchor.inputs[2]], lengths, b, h, k.dims[1],
+                             k.dims[2], d, scale, k_eps, k_gain, q_eps, q_gain)
         raise AssertionError(anchor.op)
+
+    def normed(self, group: Group, side: str, operand: Node) -> tuple[str, float | None, str | None]:
+        """Attention's ``side`` ("q" or "k") operand: (the buffer it reads, the fused RMSNorm's eps, the gain's
+        buffer), the last two None where nothing is fused (QK-norm: fusion.NORM_ROLES)."""
+        roles = {role: self.graph.nodes[i] for i, role in group.norms.items()}
+        if side not in roles:
+            return self.buffer_of[operand.id], None, None
+        rms, gain = roles[side], None
+        if f"{side} gain" in roles:
+            (w,) = [i for i in roles[f"{side} gain"].inputs if i != rms.id]  # fusion.gain_of
+            gain = self.buffer_of[w]
+        return self.buffer_of[rms.inputs[0]], float(rms.attrs["eps"]), gain
 
     def lower_matmul(self, name: str, out: str, group: Group, root: Node, anchor: Node) -> Matmul:
         a_id, b_id = anchor.inputs

@@ -261,29 +261,32 @@ def test_decode_attention(yirage_backend, yirage_dtypes, dtype, heads, kv_heads,
 @pytest.mark.parametrize("with_gain", [False, True])
 def test_decode_attention_with_qk_norm(yirage_backend, yirage_dtypes, dtype, heads, kv_heads, with_lengths,
                                        with_gain) -> None:
-    """QK-norm (a per-head RMSNorm of q and k, times a gain over the head dim in Qwen3 and Gemma 3): the keys'
-    norm fuses into the attention, the query's stays a row kernel; the keys are scaled far from 1 (and one row is
-    all zeros) and the gain spans 0.1-3, so a missing, doubled or misplaced factor cannot pass."""
+    """QK-norm (a per-head RMSNorm of q and k, times a gain over the head dim in Qwen3 and Gemma 3): both norms
+    fuse into the attention; the rows are scaled far from 1 (and one key row is all zeros) and the gains span
+    0.1-3 and 2-0.5, so a missing, doubled or misplaced factor cannot pass."""
     _need(yirage_dtypes, dtype)
     g = yr.new_kernel_graph()
     q = g.new_input((2, heads, 16), dtype=dtype)
     k, v = (g.new_input((2, kv_heads, 12, 16), dtype=dtype) for _ in range(2))
     lengths = g.new_input((2,), dtype=yr.int32) if with_lengths else None
-    gain = g.new_input((16,), dtype=dtype) if with_gain else None
-    keys = g.rms_norm(k, (16,), eps=1e-3)
-    keys = g.mul(gain, keys) if gain is not None else keys
-    g.mark_output(g.attention(g.rms_norm(q, (16,), eps=1e-5), keys, v, lengths))
+    k_gain, q_gain = (g.new_input((16,), dtype=dtype) for _ in range(2)) if with_gain else (None, None)
+    keys, query = g.rms_norm(k, (16,), eps=1e-3), g.rms_norm(q, (16,), eps=1e-5)
+    if with_gain:
+        keys, query = g.mul(k_gain, keys), g.mul(query, q_gain)  # either operand order
+    g.mark_output(g.attention(query, keys, v, lengths))
     inputs = random_inputs(g, seed=14)
+    inputs[0] = inputs[0] * torch.linspace(0.1, 20.0, heads).to(inputs[0].dtype)[None, :, None]
     inputs[1] = inputs[1] * torch.linspace(0.25, 8.0, 12).to(inputs[1].dtype)[None, None, :, None]
     inputs[1][0, 0, 3] = 0  # a zero key row: its norm is 1 / sqrt(eps), its scores 0
     if with_lengths:
         inputs[3] = torch.tensor([5, 12], dtype=torch.int32)
     if with_gain:
-        inputs[-1] = torch.linspace(0.1, 3.0, 16).to(inputs[-1].dtype)
+        inputs[-2] = torch.linspace(0.1, 3.0, 16).to(inputs[-2].dtype)
+        inputs[-1] = torch.linspace(2.0, 0.5, 16).to(inputs[-1].dtype)
 
     def normed(q_, k_, v_, *rest):  # noqa: ANN001, ANN202
-        keys_ = _rms(k_, 1e-3) * (rest[-1] if with_gain else 1.0)
-        return (_rms(q_, 1e-5), keys_, v_, *(rest[:1] if with_lengths else ()))
+        gains = rest[-2:] if with_gain else (1.0, 1.0)
+        return (_rms(q_, 1e-5) * gains[1], _rms(k_, 1e-3) * gains[0], v_, *(rest[:1] if with_lengths else ()))
 
     assert_matches_torch(g, inputs, yirage_backend, lambda *t: _attention(*normed(*t))[0],
                          scale=lambda *t: _attention(*normed(*t))[1])

@@ -163,10 +163,12 @@ def _attention(c: Choices, g: yr.KernelGraph, x: yr.Tensor) -> yr.Tensor | None:
     seq = c.pick([1, 5, 8])
     k, v = (g.new_input((b, kv_heads, seq, d), dtype=x.dtype) for _ in range(2))
     lengths = g.new_input((b,), dtype=c.pick(["int32", "int64"])) if c.coin() else None
-    if c.coin():  # QK-norm: the keys' RMSNorm (times a gain, as Qwen3's) fuses into the attention
+    if c.coin():  # QK-norm: the RMSNorms (times a gain, as Qwen3's) fuse into the attention
         k = g.rms_norm(k, (d,))
         if c.coin():
             k = g.mul(k, g.new_input((d,), dtype=x.dtype))
+        if c.coin():
+            x = g.rms_norm(x, (d,))
     return g.attention(x, k, v, lengths)
 
 
@@ -255,6 +257,7 @@ def plan_features(graph: yr.KernelGraph) -> Counter[str]:
             seen["attention gqa"] += k.heads != k.kv_heads
             seen["rms_norm -> attention keys"] += k.k_eps is not None
             seen["rms_norm * gain -> attention keys"] += k.k_gain is not None
+            seen["rms_norm -> attention query"] += k.q_eps is not None
         elif isinstance(k, Embedding):
             seen["embedding"] += 1
     live = live_nodes(graph)
@@ -275,6 +278,6 @@ def coverage(graphs: Iterable[yr.KernelGraph]) -> Counter[str]:
 
 #: what a run of the kit's random graphs must have exercised, each at least ``COVERAGE_MIN`` times
 COVERAGE_PATTERNS = ("matmul prologue", "matmul epilogue", "rms_norm -> matmul row scale", "rotary", "attention",
-                     "attention gqa", "rms_norm -> attention keys",
-                     "rms_norm * gain -> attention keys", "embedding", "div", "pow", "sqrt", "softmax",
-                     "float16", "bfloat16")
+                     "attention gqa", "rms_norm -> attention keys", "rms_norm * gain -> attention keys",
+                     "rms_norm -> attention query", "embedding", "div", "pow", "sqrt", "softmax", "float16",
+                     "bfloat16")

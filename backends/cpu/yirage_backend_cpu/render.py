@@ -172,7 +172,7 @@ def render_attention(k: Attention, buffers: dict[str, Buffer], emit: Emitter, kn
     order per head either way, so the same bits."""
     out, q, kc, vc = (buffers[x] for x in (k.out, k.q, k.k, k.v))
     ct = compute_type(out)
-    args = [out, q, kc, vc] + [buffers[b] for b in (k.lengths, k.k_gain) if b]
+    args = [out, q, kc, vc] + [buffers[b] for b in (k.lengths, *k.gains()) if b]
     group = k.heads // k.kv_heads
     per = knobs.get("heads_per_pass", heads_per_pass(k))
     if per not in (1, group):
@@ -204,6 +204,20 @@ def render_attention(k: Attention, buffers: dict[str, Buffer], emit: Emitter, kn
             emit(f"vb = {offset(['b', 'g'], vs[:2])}")
             emit(f"sc = np.empty(n * U({per}), np.{ct})")
             emit(f"mxs = np.full({per}, {const(-math.inf, ct)})")
+            if k.q_eps is not None:  # the fused RMSNorm of the pass's query rows, once, as render_row computes it
+                emit(f"qn = np.empty({per * k.head_dim}, np.{ct})")
+                with emit.block(f"for j in range(U({per})):"):
+                    emit(f"qb = {offset(['b', '(h0 + j)'], qs[:2])}")
+                    q_d = f"{k.q}[{at('qb', 'd', qs[2])}]"
+                    emit(f"ss = {const(0, ct)}")
+                    with emit.block(f"for d in range(U({k.head_dim})):"):
+                        emit(f"ss = {acc_src('ss', f'{q_d} * {q_d}', ct)}")
+                    emit(f"rq = {const(1, ct)} / math.sqrt(ss / {const(k.head_dim, ct)} + {const(k.q_eps, ct)})")
+                    with emit.block(f"for d in range(U({k.head_dim})):"):
+                        value = f"({q_d} * rq)"
+                        if k.q_gain:
+                            value = f"({value} * {k.q_gain}[{at('U(0)', 'd', buffers[k.q_gain].strides[-1])}])"
+                        emit(f"qn[j * U({k.head_dim}) + d] = {value}")
             with emit.block("for s in range(n):"):
                 emit(f"kr = {at('kb', 's', ks[2])}")
                 k_d = f"{k.k}[{at('kr', 'd', ks[3])}]"
@@ -219,7 +233,7 @@ def render_attention(k: Attention, buffers: dict[str, Buffer], emit: Emitter, kn
                     emit(f"qb = {offset(['b', '(h0 + j)'], qs[:2])}")
                     emit(f"acc = {const(0, ct)}")
                     with emit.block(f"for d in range(U({k.head_dim})):"):
-                        q_d = f"{k.q}[{at('qb', 'd', qs[2])}]"
+                        q_d = f"{k.q}[{at('qb', 'd', qs[2])}]" if k.q_eps is None else f"qn[j * U({k.head_dim}) + d]"
                         emit(f"acc = {fma_src('acc', q_d, k_d, ct)}")
                     emit(f"acc *= {const(k.scale, ct)}")
                     emit("sc[j * n + s] = acc")

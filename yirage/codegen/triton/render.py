@@ -358,7 +358,7 @@ class _Renderer:
         ct = compute_type(out)
         tt = TL_TYPE[ct]
         exp = (lambda a: f"{self.use('y_exp32')}({a})") if ct == "float32" else (lambda a: f"tl.exp({a})")
-        args = [k.out, k.q, k.k, k.v] + [b for b in (k.lengths, k.k_gain) if b]
+        args = [k.out, k.q, k.k, k.v] + [b for b in (k.lengths, *k.gains()) if b]
         check = None
         if k.lengths:
             status = self.add_scratch(f"{k.name}_st", 1, "int32")
@@ -383,8 +383,15 @@ class _Renderer:
         self.vector("d", "tl.arange(0, BLOCK_D)", k.head_dim)
         qs, ks, vs = q.strides, kc.strides, vc.strides
         emit(f"qv = {self.read(k.q, indexing.offset(['b', 'h', 'd'], qs, self.ix))}")
+        def gain(name: str) -> str:  # a gain over the head dim, one value per lane of d
+            return self.read(name, indexing.at("0", "d", self.buffers[name].strides[-1], self.ix))
+
+        if k.q_eps is not None:  # the fused RMSNorm of the query row (times its gain), as a row kernel computes it
+            emit(f"qv = qv * {matmul.rms_scale('tl.sum(qv * qv, 0)', k.head_dim, k.q_eps, ct, self.const)}")
+            if k.q_gain:
+                emit(f"qv = qv * {gain(k.q_gain)}")
         if k.k_gain:  # the gain over the head dim that follows the keys' norm
-            emit(f"gv = {self.read(k.k_gain, indexing.at('0', 'd', self.buffers[k.k_gain].strides[-1], self.ix))}")
+            emit(f"gv = {gain(k.k_gain)}")
         emit(f"kb = {indexing.offset(['b', 'g'], ks[:2], self.ix)}")
         emit(f"vb = {indexing.offset(['b', 'g'], vs[:2], self.ix)}")
         self.masks["sc"] = "m_s[:, None]"
