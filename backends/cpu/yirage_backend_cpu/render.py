@@ -204,6 +204,8 @@ def render_attention(k: Attention, buffers: dict[str, Buffer], emit: Emitter, kn
             emit(f"vb = {offset(['b', 'g'], vs[:2])}")
             emit(f"sc = np.empty(n * U({per}), np.{ct})")
             emit(f"mxs = np.full({per}, {const(-math.inf, ct)})")
+            if k.k_eps is not None:
+                emit(f"kn = np.empty({k.head_dim}, np.{ct})")
             if k.q_eps is not None:  # the fused RMSNorm of the pass's query rows, once, as render_row computes it
                 emit(f"qn = np.empty({per * k.head_dim}, np.{ct})")
                 with emit.block(f"for j in range(U({per})):"):
@@ -221,14 +223,17 @@ def render_attention(k: Attention, buffers: dict[str, Buffer], emit: Emitter, kn
             with emit.block("for s in range(n):"):
                 emit(f"kr = {at('kb', 's', ks[2])}")
                 k_d = f"{k.k}[{at('kr', 'd', ks[3])}]"
-                if k.k_eps is not None:  # the fused RMSNorm of this key row, as render_row computes it
-                    emit(f"ss = {const(0, ct)}")
+                if k.k_eps is not None:  # the fused RMSNorm of this key row, as render_row computes it, once for
+                    emit(f"ss = {const(0, ct)}")  # the pass's heads
                     with emit.block(f"for d in range(U({k.head_dim})):"):
                         emit(f"ss = {acc_src('ss', f'{k_d} * {k_d}', ct)}")
                     emit(f"rk = {const(1, ct)} / math.sqrt(ss / {const(k.head_dim, ct)} + {const(k.k_eps, ct)})")
-                    k_d = f"({k_d} * rk)"
-                    if k.k_gain:  # the gain over the head dim that follows the norm
-                        k_d = f"({k_d} * {k.k_gain}[{at('U(0)', 'd', buffers[k.k_gain].strides[-1])}])"
+                    with emit.block(f"for d in range(U({k.head_dim})):"):
+                        value = f"({k_d} * rk)"
+                        if k.k_gain:  # the gain over the head dim that follows the norm
+                            value = f"({value} * {k.k_gain}[{at('U(0)', 'd', buffers[k.k_gain].strides[-1])}])"
+                        emit(f"kn[d] = {value}")
+                    k_d = "kn[d]"
                 with emit.block(f"for j in range(U({per})):"):
                     emit(f"qb = {offset(['b', '(h0 + j)'], qs[:2])}")
                     emit(f"acc = {const(0, ct)}")
