@@ -49,7 +49,8 @@ def run(case: Case, backend: str, device: Any, calls: int, budget: float, fresh:
         default = g.compile(backend)
     except yr.YirageError as exc:
         return {**row, "error": f"{type(exc).__name__}: {exc}"}
-    row.update(search_s=time.perf_counter() - start, winner=best.report.winner, from_cache=best.report.from_cache)
+    row.update(search_s=time.perf_counter() - start, winner=best.report.winner, from_cache=best.report.from_cache,
+               note=best.report.note)
     # the search kept the default plan and schedule: the same program, timed through the default's executable (two
     # compiles of one plan were seen 10-75% apart on a CPU, an artifact of where each one's memory lies)
     same = (best.executable.plan.digest, best.executable.plan.schedule) == (default.plan.digest, default.plan.schedule)
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['graph']:18} {r['search_s']:8.1f}  {(r['winner'] + cached)[:40]:40} {cells}  {ratio}", flush=True)
         for key in [k for k in r if k.endswith("_error")]:
             print(f"{'':18} {key[:-6]}: {r[key]}", flush=True)
+        if r.get("note"):  # the search's own remarks: the budget spent, a winner that did not hold
+            print(f"{'':18} note: {r['note'][:200]}", flush=True)
     full = [r for r in rows if {"superopt_us", "torch_us", "default_us"} <= r.keys()]
     if full:
         print(f"median superopt/torch eager: {statistics.median(r['superopt_us'] / r['torch_us'] for r in full):.2f}x"
