@@ -1,6 +1,7 @@
 """``InferEngine(prompt_dtype="bfloat16")``: the prompt's projections round their input to bfloat16 and multiply in
-bf16, as transformers runs a bf16 model's Linear layers. Oracles: float64 arithmetic on the rounded operands, and
-transformers (float32, the same bf16 weights) with every Linear's input and output rounded to bf16 by hooks."""
+bf16, and its attention runs in bf16, as transformers runs a bf16 model's Linear layers and attention. Oracles:
+float64 arithmetic on the rounded operands, and transformers (float32, the same bf16 weights) with every Linear's
+input and output rounded to bf16 by hooks and its own SDPA attention given q, k and v rounded to bf16."""
 
 from __future__ import annotations
 
@@ -63,8 +64,17 @@ def test_the_prefill_matches_transformers_with_bf16_rounded_linears(zoo, pk_back
     """The prefill's logits against transformers whose every Linear sees and returns bf16-rounded values, on every
     PersistentKernel backend (torch's bf16 matmul on its device; the cpu backend's bf16 dot products). The input
     rounding moves the logits by several bf16 ulps, so the float32 prefill fails the same bound."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def bf16_sdpa(module, query, key, value, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out, weights = sdpa_attention_forward(module, query.to(BF16), key.to(BF16), value.to(BF16), *args, **kwargs)
+        return out.float(), weights
+
+    AttentionInterface.register("yirage_test_bf16_sdpa", bf16_sdpa)
     model = zoo("llama-gqa", BF16)
     oracle = copy.deepcopy(model.oracle)
+    oracle.config._attn_implementation = "yirage_test_bf16_sdpa"
     for module in oracle.modules():
         if isinstance(module, torch.nn.Linear) and module is not oracle.lm_head:  # float32 logits (rounded_linear)
             module.register_forward_pre_hook(lambda m, args: (args[0].to(BF16).float(),))
