@@ -408,14 +408,8 @@ class _Renderer:
         emit(f"{it} vb = {indexing.offset(['b', 'g'], vs[:2], self.ix)};")
         emit(f"{it} sb = gid * {k.seq};")
         emit(f"{t} mx = {self.const(-math.inf, ct)};")
-        sqrt = self.d.math["sqrt"]
         if k.q_eps is not None:  # the fused RMSNorm of the query row (each thread its own copy of the scale)
-            emit(f"{t} sq = {self.const(0, ct)};")
-            self.ilp_loop("d", "0", k.head_dim, 1, lambda u, at: [
-                f"{t} y{u} = {self.read(k.q, indexing.at('qb', at, qs[2], self.ix))};"],
-                lambda u, _: [f"sq = sq + y{u} * y{u};"])
-            emit(f"{t} rq = {self.const(1, ct)} / {sqrt}(sq / {self.const(k.head_dim, ct)} + "
-                 f"{self.const(k.q_eps, ct)});")
+            self.rms_scale("rq", k.q, "qb", qs[2], k.head_dim, k.q_eps, ct)
 
         def normed(buffer: str, base: str, stride: int, at: str, eps: float | None, scale: str,
                    gain: str | None) -> str:  # a query or key element, normalized (times the gain) where fused
@@ -429,13 +423,8 @@ class _Renderer:
         with emit.block(f"for ({it} s = lid; s < n; s += {local}) {{"):
             emit(f"{t} acc = {self.const(0, ct)};")
             emit(f"{it} kr = {indexing.at('kb', 's', ks[2], self.ix)};")
-            if k.k_eps is not None:  # the fused RMSNorm of this key row, as a row kernel computes it
-                emit(f"{t} ss = {self.const(0, ct)};")
-                self.ilp_loop("d", "0", k.head_dim, 1, lambda u, at: [
-                    f"{t} x{u} = {self.read(k.k, indexing.at('kr', at, ks[3], self.ix))};"],
-                    lambda u, _: [f"ss = ss + x{u} * x{u};"])
-                emit(f"{t} rk = {self.const(1, ct)} / {sqrt}(ss / {self.const(k.head_dim, ct)} + "
-                     f"{self.const(k.k_eps, ct)});")
+            if k.k_eps is not None:  # the fused RMSNorm of this key row
+                self.rms_scale("rk", k.k, "kr", ks[3], k.head_dim, k.k_eps, ct)
             self.ilp_loop("d", "0", k.head_dim, 1, lambda u, at: [
                 f"{t} q{u} = {normed(k.q, 'qb', qs[2], at, k.q_eps, 'rq', k.q_gain)};",
                 f"{t} k{u} = {normed(k.k, 'kr', ks[3], at, k.k_eps, 'rk', k.k_gain)};"],
@@ -471,6 +460,17 @@ class _Renderer:
         """Emit ``emit.ilp_loop``'s lines (loads of ``ilp`` iterations in flight, folded in iteration order)."""
         for line in ilp_loop(self.d.index_type, var, start, count, stride, values, fold, ilp):
             self.emit(line)
+
+    def rms_scale(self, scale: str, buffer: str, base: str, stride: int, n: int, eps: float, ct: str) -> None:
+        """Declare ``scale`` = an RMSNorm's ``1 / sqrt(sum(x^2) / n + eps)`` over the ``n`` values of ``buffer`` from
+        ``base``, ``stride`` apart, as a row kernel computes it (QK-norm fused into attention)."""
+        t = self.ctype(ct)
+        self.emit(f"{t} {scale}_ss = {self.const(0, ct)};")
+        self.ilp_loop("d", "0", n, 1, lambda u, at: [
+            f"{t} {scale}_x{u} = {self.read(buffer, indexing.at(base, at, stride, self.ix))};"],
+            lambda u, _: [f"{scale}_ss = {scale}_ss + {scale}_x{u} * {scale}_x{u};"])
+        self.emit(f"{t} {scale} = {self.const(1, ct)} / {self.d.math['sqrt']}({scale}_ss / {self.const(n, ct)} + "
+                  f"{self.const(eps, ct)});")
 
     def group_reduce(self, var: str, local: int, combine: Callable[[str, str], str], into: str | None = None) -> None:
         """``into`` (default ``var``) := ``combine`` of every thread's ``var``: a local-memory tree over ``red``,

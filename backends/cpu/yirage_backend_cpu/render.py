@@ -184,6 +184,10 @@ def render_attention(k: Attention, buffers: dict[str, Buffer], emit: Emitter, kn
     qs, ks, vs = q.strides, kc.strides, vc.strides
     ls = buffers[k.lengths].strides[0] if k.lengths else 0
     exp = "fexp" if ct == "float32" else "math.exp"
+
+    def gain(name: str | None) -> str | None:  # a gain over the head dim at d
+        return f"{name}[{at('U(0)', 'd', buffers[name].strides[-1])}]" if name else None
+
     with kernel_def(emit, k.name, args, parallel):
         if k.lengths:
             with emit.block(f"for b in range({k.batch}):"):
@@ -206,33 +210,17 @@ def render_attention(k: Attention, buffers: dict[str, Buffer], emit: Emitter, kn
             emit(f"mxs = np.full({per}, {const(-math.inf, ct)})")
             if k.k_eps is not None:
                 emit(f"kn = np.empty({k.head_dim}, np.{ct})")
-            if k.q_eps is not None:  # the fused RMSNorm of the pass's query rows, once, as render_row computes it
+            if k.q_eps is not None:  # the pass's query rows normalized once (QK-norm)
                 emit(f"qn = np.empty({per * k.head_dim}, np.{ct})")
                 with emit.block(f"for j in range(U({per})):"):
                     emit(f"qb = {offset(['b', '(h0 + j)'], qs[:2])}")
-                    q_d = f"{k.q}[{at('qb', 'd', qs[2])}]"
-                    emit(f"ss = {const(0, ct)}")
-                    with emit.block(f"for d in range(U({k.head_dim})):"):
-                        emit(f"ss = {acc_src('ss', f'{q_d} * {q_d}', ct)}")
-                    emit(f"rq = {const(1, ct)} / math.sqrt(ss / {const(k.head_dim, ct)} + {const(k.q_eps, ct)})")
-                    with emit.block(f"for d in range(U({k.head_dim})):"):
-                        value = f"({q_d} * rq)"
-                        if k.q_gain:
-                            value = f"({value} * {k.q_gain}[{at('U(0)', 'd', buffers[k.q_gain].strides[-1])}])"
-                        emit(f"qn[j * U({k.head_dim}) + d] = {value}")
+                    _rms_row(emit, f"{k.q}[{at('qb', 'd', qs[2])}]", k.head_dim, k.q_eps, gain(k.q_gain),
+                             f"qn[j * U({k.head_dim}) + d]", ct)
             with emit.block("for s in range(n):"):
                 emit(f"kr = {at('kb', 's', ks[2])}")
                 k_d = f"{k.k}[{at('kr', 'd', ks[3])}]"
-                if k.k_eps is not None:  # the fused RMSNorm of this key row, as render_row computes it, once for
-                    emit(f"ss = {const(0, ct)}")  # the pass's heads
-                    with emit.block(f"for d in range(U({k.head_dim})):"):
-                        emit(f"ss = {acc_src('ss', f'{k_d} * {k_d}', ct)}")
-                    emit(f"rk = {const(1, ct)} / math.sqrt(ss / {const(k.head_dim, ct)} + {const(k.k_eps, ct)})")
-                    with emit.block(f"for d in range(U({k.head_dim})):"):
-                        value = f"({k_d} * rk)"
-                        if k.k_gain:  # the gain over the head dim that follows the norm
-                            value = f"({value} * {k.k_gain}[{at('U(0)', 'd', buffers[k.k_gain].strides[-1])}])"
-                        emit(f"kn[d] = {value}")
+                if k.k_eps is not None:  # this key row normalized once for the pass's heads (QK-norm)
+                    _rms_row(emit, k_d, k.head_dim, k.k_eps, gain(k.k_gain), "kn[d]", ct)
                     k_d = "kn[d]"
                 with emit.block(f"for j in range(U({per})):"):
                     emit(f"qb = {offset(['b', '(h0 + j)'], qs[:2])}")
@@ -271,6 +259,17 @@ def render_attention(k: Attention, buffers: dict[str, Buffer], emit: Emitter, kn
         f'    raise ValueError(f"attention lengths must lie in [1, {k.seq}]; batch {{s - 1}} has length '
         f'{{int(T_{k.lengths}[s - 1])}}")',
     ]
+
+
+def _rms_row(emit: Emitter, value: str, n: int, eps: float, gain: str | None, dst: str, ct: str) -> None:
+    """``dst`` (an element at ``d``) = ``value`` (at ``d``) RMS-normalized over d < n, times ``gain`` (at ``d``)
+    where one follows: a QK-norm fused into attention, each element as render_row computes an RMSNorm's."""
+    emit(f"ss = {const(0, ct)}")
+    with emit.block(f"for d in range(U({n})):"):
+        emit(f"ss = {acc_src('ss', f'{value} * {value}', ct)}")
+    emit(f"rs = {const(1, ct)} / math.sqrt(ss / {const(n, ct)} + {const(eps, ct)})")
+    with emit.block(f"for d in range(U({n})):"):
+        emit(f"{dst} = {f'(({value} * rs) * {gain})' if gain else f'({value} * rs)'}")
 
 
 #: each takes the kernel, the plan's buffers, the emitter and the kernel's schedule choices (knobs.py)
