@@ -181,3 +181,11 @@ def test_a_gain_is_not_fused_where_it_is_not_over_the_head_dim_alone_or_the_norm
     assert kernels[-1].k_eps is None and kernels[-1].k_gain is None
     kernels = build_plan(_qk_norm(gain=(16,)), FusionPolicy(rms_scale=False)).kernels
     assert kernels[-1].k_eps is None and kernels[-1].k_gain is None
+
+
+def test_the_querys_norm_and_its_gain_fuse_beside_the_keys() -> None:
+    g = yr.new_kernel_graph()
+    q, k, v, wq, wk = (g.new_input(d) for d in ((2, 8, 16), (2, 2, 5, 16), (2, 2, 5, 16), (16,), (1, 16)))
+    g.mark_output(g.attention(g.mul(wq, g.rms_norm(q, (16,), eps=1e-4)), g.mul(g.rms_norm(k, (16,)), wk), v))
+    (att,) = build_plan(g).kernels
+    assert (att.q, att.q_eps, att.q_gain, att.k, att.k_gain) == ("in0", 1e-4, "in3", "in1", "in4")

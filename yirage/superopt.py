@@ -56,7 +56,7 @@ from yirage.runtime.graphs import graph_dtypes
 
 logger = logging.getLogger("yirage.superopt")
 
-SEARCH_VERSION = "3"  # 3: QK-norm attention plans (an RMSNorm of the keys fused: other kernel names)
+SEARCH_VERSION = "3"  # 3: QK-norm attention plans (the query's and keys' RMSNorms fused: other kernel names)
 BATCH_SECONDS = 2e-3  # the shortest timed batch of one candidate's calls (see _time)
 MAX_ITERS = 2000
 ENV = "YIRAGE_SUPEROPTIMIZE"

@@ -469,8 +469,11 @@ class _Renderer:
         self.ilp_loop("d", "0", n, 1, lambda u, at: [
             f"{t} {scale}_x{u} = {self.read(buffer, indexing.at(base, at, stride, self.ix))};"],
             lambda u, _: [f"{scale}_ss = {scale}_ss + {scale}_x{u} * {scale}_x{u};"])
-        self.emit(f"{t} {scale} = {self.const(1, ct)} / {self.d.math['sqrt']}({scale}_ss / {self.const(n, ct)} + "
-                  f"{self.const(eps, ct)});")
+        self.emit(f"{t} {scale} = {self.rms_scale_expr(f'{scale}_ss', n, eps, ct)};")
+
+    def rms_scale_expr(self, ss: str, n: int, eps: float, ct: str) -> str:
+        """A fused RMSNorm's ``1 / sqrt(ss / n + eps)`` in ``ct`` (a matmul's row scale, attention's QK-norm)."""
+        return f"{self.const(1, ct)} / {self.d.math['sqrt']}({ss} / {self.const(n, ct)} + {self.const(eps, ct)})"
 
     def group_reduce(self, var: str, local: int, combine: Callable[[str, str], str], into: str | None = None) -> None:
         """``into`` (default ``var``) := ``combine`` of every thread's ``var``: a local-memory tree over ``red``,

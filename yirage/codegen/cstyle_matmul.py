@@ -257,8 +257,7 @@ def _prologue(r: Renderer, k: Matmul, ct: str, nb: int, a_names: list[str]) -> s
     r.ilp_loop("kk", "lid", k.k, local, values, fold)
     if scale:
         r.group_reduce("ss", local, lambda a, b: f"{a} + {b}")
-        sqrt = r.d.math["sqrt"]
-        emit(f"{t} sc = {r.const(1, ct)} / {sqrt}(ss / {r.const(k.k, ct)} + {r.const(k.eps, ct)});")
+        emit(f"{t} sc = {r.rms_scale_expr('ss', k.k, k.eps, ct)};")
         with emit.block(f"for ({it} kk = lid; kk < {k.k}; kk += {local}) {{"):  # the elements this thread wrote
             emit(f"{a_src}[row * {k.k} + kk] = {a_src}[row * {k.k} + kk] * sc;")
         emit("}")

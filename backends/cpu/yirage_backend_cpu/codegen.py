@@ -71,6 +71,12 @@ def expr_src(expr: Expr, load: Callable[[Load], str], ct: str) -> str:
                       table=table, renderer="cpu (numba)")
 
 
+def rms_scale_src(ss: str, n: int, eps: float, ct: str) -> str:
+    """A fused RMSNorm's ``1 / sqrt(ss / n + eps)`` in ``ct`` (a matmul's row scale, attention's QK-norm), as the
+    row kernel's decomposed rsqrt computes it."""
+    return f"{const(1, ct)} / math.sqrt({ss} / {const(n, ct)} + {const(eps, ct)})"
+
+
 def acc_src(acc: str, x: str, ct: str) -> str:
     """``acc + x`` for a sum over a loop: reassociable for floats (``racc``), so the loop vectorizes."""
     return f"racc({acc}, {x})" if ct.startswith("float") else f"({acc} + {x})"

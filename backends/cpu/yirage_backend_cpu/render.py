@@ -32,6 +32,7 @@ from yirage_backend_cpu.codegen import (
     kernel_def,
     offset,
     outer_loop,
+    rms_scale_src,
 )
 from yirage_backend_cpu.knobs import heads_per_pass, pointwise_parallel, row_parallel
 from yirage_backend_cpu.render_matmul import render_matmul
@@ -267,7 +268,7 @@ def _rms_row(emit: Emitter, value: str, n: int, eps: float, gain: str | None, ds
     emit(f"ss = {const(0, ct)}")
     with emit.block(f"for d in range(U({n})):"):
         emit(f"ss = {acc_src('ss', f'{value} * {value}', ct)}")
-    emit(f"rs = {const(1, ct)} / math.sqrt(ss / {const(n, ct)} + {const(eps, ct)})")
+    emit(f"rs = {rms_scale_src('ss', n, eps, ct)}")
     with emit.block(f"for d in range(U({n})):"):
         emit(f"{dst} = {f'(({value} * rs) * {gain})' if gain else f'({value} * rs)'}")
 

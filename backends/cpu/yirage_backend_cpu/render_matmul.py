@@ -40,6 +40,7 @@ from yirage_backend_cpu.codegen import (
     kernel_def,
     offset,
     outer_loop,
+    rms_scale_src,
     threads,
 )
 from yirage_backend_cpu.knobs import matmul_strategies
@@ -125,7 +126,7 @@ class MatmulRenderer:
                     emit(f"x = {expr_src(k.row_scale, a_load, ct)}")
                     emit(f"ss = {fma_src('ss', 'x', 'x', ct)}")
             if self.scale:
-                emit(f"v_sc[row] = {const(1, ct)} / math.sqrt(ss / {const(k.k, ct)} + {const(k.eps, ct)})")
+                emit(f"v_sc[row] = {rms_scale_src('ss', k.k, k.eps, ct)}")
                 with emit.block(f"for kk in range(U({k.k})):"):
                     emit(f"a_mat[row * U({k.k}) + kk] *= v_sc[row]")
 
