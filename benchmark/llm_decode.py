@@ -1,7 +1,8 @@
 """Decode speed (W4 and W6 of docs/benchmarks.md): yirage vs llama.cpp vs Hugging Face eager, interleaved in one run.
 
     python benchmark/llm_decode.py [--models w4 w6 smollm2] [--dtypes f32 bf16 f16 q8_0 q4_0] [--rounds 3]
-                                   [--tokens 64] [--busy N] [--no-llama-cpp] [--no-hf] [--sweep] [--profile] [--json]
+                                   [--tokens 64] [--busy N] [--no-llama-cpp] [--no-hf] [--one-pass-head] [--sweep]
+                                   [--profile] [--json]
 
 Every model is a transformers Llama: W4 and W6 (the 30-layer SmolLM2 shape) with seeded random weights,
 ``smollm2`` the real SmolLM2-135M-Instruct (its Q4_1 GGUF dequantized to f32). The very same weights are
@@ -15,6 +16,8 @@ sum and a numba prange sum over 256 MiB). The host's bandwidth drifted by 15-60%
 machine, so the bandwidth is probed again right before every peer's run and once after the last: each run's
 share of the bound uses the faster of the two probes around it, and ``share`` is the median of those shares.
 Ratios compare medians within one model and dtype.
+``--one-pass-head`` adds yirage with its greedy LM head read in one pass (``YIRAGE_SCREEN_HEAD=0``; the default
+screens the rows with the head's bf16 copy first, yirage.models.head_screen), the same engine, in the same rounds.
 ``--busy N`` repeats every round with N competing CPU-bound processes running and reports each peer's
 slowdown against its own quiet median. q8_0 / q4_0: yirage quantizes the float weights on load with ggml's
 quantizers, so it and llama.cpp (its GGUF written by the gguf package) decode the same blocks.
@@ -23,14 +26,16 @@ quantizers, so it and llama.cpp (its GGUF written by the gguf package) decode th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +48,7 @@ from yirage_backend_cpu.kernel_lib import racc
 
 import yirage as yr
 from yirage.engine import GenerationConfig, InferEngine
+from yirage.models.head_screen import SCREEN_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_peer  # noqa: E402 - benchmark/hf_peer.py, beside this script
@@ -193,6 +199,25 @@ def yirage_run(engine: InferEngine, ids: torch.Tensor, tokens: int) -> float:
     return result.ms_per_token
 
 
+@contextlib.contextmanager
+def one_pass_head() -> Iterator[None]:
+    """``YIRAGE_SCREEN_HEAD=0`` for the calls within: the engine builds (or reuses) its one-pass-head decoder."""
+    saved = os.environ.get(SCREEN_ENV)
+    os.environ[SCREEN_ENV] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[SCREEN_ENV]
+        else:
+            os.environ[SCREEN_ENV] = saved
+
+
+def one_pass_run(engine: InferEngine, ids: torch.Tensor, tokens: int) -> float:
+    with one_pass_head():
+        return yirage_run(engine, ids, tokens)
+
+
 def yirage_peer(kv_dtype: str) -> str:
     """yirage's peer name with KV caches of ``kv_dtype`` (float32: the plain name)."""
     return YIRAGE if kv_dtype == "float32" else f"{YIRAGE} kv {KV_SHORT[kv_dtype]}"
@@ -211,6 +236,10 @@ def peers_for(model: Model, dtype: str, args: argparse.Namespace, workdir: Path)
                              kv_cache_dtype=kv)
         yirage_run(engine, model.ids, 4)  # JIT / cache load
         peers[yirage_peer(kv)] = lambda engine=engine: yirage_run(engine, model.ids, args.tokens)
+        if args.one_pass_head:  # the same engine, its greedy LM head read in one pass (yirage.models.head_screen)
+            with one_pass_head():
+                yirage_run(engine, model.ids, 4)
+            peers[f"{yirage_peer(kv)} 1-pass"] = lambda engine=engine: one_pass_run(engine, model.ids, args.tokens)
     if not args.no_llama_cpp:
         path = gguf_for(model, dtype, workdir)
         peers[LLAMA] = lambda: llama_cpp.bench_decode(path, tokens=args.tokens, threads=args.threads,
@@ -347,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="yirage's KV cache dtypes, one yirage peer each (llama.cpp's cache is f16)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (no build, no GGUF files)")
     parser.add_argument("--no-hf", action="store_true", help="skip HF eager")
+    parser.add_argument("--one-pass-head", action="store_true",
+                        help="also time yirage with its greedy LM head read in one pass (YIRAGE_SCREEN_HEAD=0)")
     parser.add_argument("--sweep", action="store_true",
                         help="also sweep yirage's workers/schedulers and tasks per layer (f32)")
     parser.add_argument("--profile", action="store_true", help="also print yirage's per-layer-kind task time")

@@ -2,8 +2,9 @@
 
 Expectations are written out here, apart from the registry: which kinds each runtime runs (every runtime
 runs the single-device kinds; only the cpu runtime runs the collectives, through its communication
-thread), how each backend's runtime runs a step, and the control buffer's slot numbers as the C
-sources printed them before the layout moved into ``yirage.persistent.control``.
+thread; the cpu runtime and the oracle run the screened LM head), how each backend's runtime runs a step,
+and the control buffer's slot numbers as the C sources printed them before the layout moved into
+``yirage.persistent.control``.
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ from yirage.persistent import control, runtime, specs
 from yirage.persistent.runtime import RuntimeContractError, TaskBodies
 
 COLLECTIVES = {"allreduce", "allgather"}  # the tensor-parallel layers
+SCREEN = {"screened_logits"}  # the greedy LM head's second pass: the cpu runtime and the oracle
 SINGLE_DEVICE_KINDS = {"embed", "rmsnorm_linear", "attention", "linear_with_residual",
                        "silu_mul_linear_with_residual", "argmax", "sample"}
 #: runtime -> (the module that registers its task bodies, the kinds it runs, its kind)
 RUNTIMES = {
-    "cpu": ("yirage_backend_cpu.pk_runtime", SINGLE_DEVICE_KINDS | COLLECTIVES, PERSISTENT),
+    "cpu": ("yirage_backend_cpu.pk_runtime", SINGLE_DEVICE_KINDS | COLLECTIVES | SCREEN, PERSISTENT),
     "opencl": ("yirage_backend_opencl.pk_runtime", SINGLE_DEVICE_KINDS, LAUNCHED),
     "launched": ("yirage.persistent.launched", SINGLE_DEVICE_KINDS, LAUNCHED),
-    "reference": ("yirage.reference.persistent", SINGLE_DEVICE_KINDS, SERIAL),
+    "reference": ("yirage.reference.persistent", SINGLE_DEVICE_KINDS | SCREEN, SERIAL),
     "cuda": ("yirage_backend_cuda.pk_runtime", SINGLE_DEVICE_KINDS, LAUNCHED),
 }
 
@@ -56,7 +58,8 @@ def test_every_layer_kind_has_a_body_or_a_reason_on_every_runtime() -> None:
     rows = [["kind", *names]] + [[kind, *(tables[n].cell(kind) for n in names)] for kind in kinds]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print("\n" + "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows))
-    assert set(kinds) == SINGLE_DEVICE_KINDS | COLLECTIVES, "a new LayerSpec kind: say here which runtimes run it"
+    assert set(kinds) == SINGLE_DEVICE_KINDS | COLLECTIVES | SCREEN, \
+        "a new LayerSpec kind: say here which runtimes run it"
     for name in names:
         missing = [kind for kind in kinds if tables[name].cell(kind) == "MISSING"]
         assert not missing, f"runtime {name} has no task body for {missing}"

@@ -22,6 +22,7 @@ from typing import Any
 from yirage.locks import ForkSafeRLock
 from yirage.log import working
 from yirage.models.config import ModelError, resolve_dtype, resolve_kv_dtype
+from yirage.models.head_screen import screen_enabled
 from yirage.models.llama import LlamaModel
 from yirage.models.placement import Placement
 from yirage.models.prefill import check_prompt_dtype, resolve_prompt_dtype, rounded_linear
@@ -345,7 +346,11 @@ class InferEngine:
         sampling = None if config.temperature == 0 else {
             "temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p, "seed": config.seed}
         compile_start = time.perf_counter()
-        key = (tuple(eos_ids), tuple(sorted((sampling or {}).items())))
+        # greedy without output_logits: the LM head in two passes where the backend can (the same tokens, fewer bytes)
+        screen = sampling is None and not config.output_logits and screen_enabled()
+        key = (tuple(eos_ids), tuple(sorted((sampling or {}).items())), screen)
+        if screen:
+            self.model.refresh_head_screen()  # remade in place where the head changed since a decoder got it
         decoder = self._decoders.get(key)
         if decoder is None:
             with working(f"compiling the {self.backend.name} decode kernel (first generate of this shape and "
@@ -353,7 +358,7 @@ class InferEngine:
                 decoder = self.model.build_decoder(self._step, self._tokens, backend=self.backend,
                                                    num_workers=self.num_workers,
                                                    num_local_schedulers=self.num_local_schedulers,
-                                                   eos_token_id=list(eos_ids), sampling=sampling,
+                                                   eos_token_id=list(eos_ids), sampling=sampling, screen=screen,
                                                    **({"tasks": self.tasks_per_layer} if self.tasks_per_layer else {}))
             self._decoders[key] = decoder
         compile_s = time.perf_counter() - compile_start

@@ -318,6 +318,13 @@ class Backend:
             f"backend {self.name!r} has no PersistentKernel runtime yet"
         )
 
+    def persistent_task_bodies(self) -> Any:
+        """The task bodies of this backend's PersistentKernel runtime (the ``TaskBodies`` its runtime module
+        registers, ``yirage.persistent.runtime``), or None (the default: not said). ``PersistentKernel.runs`` reads
+        it, so a model builds a layer kind only some runtimes have (``screened_logits``) only where it runs; with
+        None a model builds only the kinds every runtime runs."""
+        return None
+
     def default_config(self, device: DeviceInfo) -> dict[str, int]:
         """Workers and schedulers for a PersistentKernel on ``device``."""
         raise NotSupportedError(

@@ -97,12 +97,16 @@ class TPModel:
         return self.reference.gather_logits(self.reference.forward(input_ids, positions, last_only, linear),
                                             "prefill logits all-gather")
 
+    def refresh_head_screen(self) -> None:
+        """No screened LM head (see build_decoder): nothing to refresh."""
+
     def build_decoder(self, step: Any, tokens: Any, backend: Any = None, num_workers: int | None = None,
                       num_local_schedulers: int | None = None, eos_token_id: Any = None,
                       sampling: dict[str, Any] | None = None, profiler_tensor: Any = None,
-                      tasks: int | None = None) -> Any:
+                      tasks: int | None = None, screen: bool = False) -> Any:
         """This rank's decode step as a compiled PersistentKernel over its shard and KV caches (reset_cache
-        first); every rank builds and runs its own, with the same arguments."""
+        first); every rank builds and runs its own, with the same arguments. ``screen`` is accepted and unused: a
+        rank's head is a vocabulary shard whose logits are gathered, so it is read in one pass."""
         return build_tp_decoder(self, step, tokens, backend=backend, num_workers=num_workers,
                                 num_local_schedulers=num_local_schedulers, eos_token_id=eos_token_id,
                                 sampling=sampling, profiler_tensor=profiler_tensor, tasks=tasks)

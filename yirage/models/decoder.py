@@ -116,16 +116,23 @@ class DecoderParts:
     cos: Any
     sin: Any
     sharding: Sharding | None = None
+    # () -> (the LM head's bf16 copy, per-row bounds) or None: a greedy step's screen (yirage.models.head_screen)
+    head_screen: Any = None
 
 
 def build_decoder(parts: DecoderParts, step: Any, tokens: Any, backend: Any = None, num_workers: int | None = None,
                   num_local_schedulers: int | None = None, eos_token_id: Any = None,
                   sampling: dict[str, Any] | None = None, profiler_tensor: Any = None,
-                  tasks: int | None = None) -> Any:
+                  tasks: int | None = None, screen: bool = False) -> Any:
     """The compiled PersistentKernel of one decode step over ``parts`` (see the module docstring).
 
     ``tasks``: tasks per projection (the LM head gets twice as many); None: the ``tasks_per_layer`` of the kernel's
     configuration (the backend's ``default_config`` or a saved one), else DEFAULT_TASKS.
+
+    ``screen``: a greedy step reads the LM head in two passes where the backend runs ``screened_logits`` and
+    ``parts.head_screen`` gives a screen (a float32 head, one rank): the bf16 copy for every row, then the float32
+    rows that can hold the maximum (yirage.models.head_screen). The picked tokens are the same; the kernel's
+    "logits" are then -inf outside those rows, so a caller reading every logit leaves it False.
     """
     import torch
 
@@ -149,10 +156,19 @@ def build_decoder(parts: DecoderParts, step: Any, tokens: Any, backend: Any = No
     pk.embed_layer(pk.tokens_tensor, att(parts.embed, "embed"), x, grid_dim=divisor_near(c.hidden, tasks))
     x = decoder_blocks(pk, c, parts.blocks, parts.k_cache, parts.v_cache, cos, sin, x, tasks, reduce, zeros)
     rows = int(parts.lm_head.shape[0])
-    head = pk.new_tensor((batch, rows), name="local_logits" if tp else "logits")
     lm_head = pk.tensors["embed"] if parts.lm_head is parts.embed else att(parts.lm_head, "lm_head")
-    pk.rmsnorm_linear_layer(x, att(parts.norm, "final_norm"), lm_head, head, grid_dim=divisor_near(rows, 2 * tasks),
-                            eps=c.eps)
+    norm = att(parts.norm, "final_norm")
+    screened = (screen and not sampling and not tp and parts.head_screen is not None and pk.runs("screened_logits")
+                and parts.head_screen())
+    if screened:
+        scores = pk.new_tensor((batch, rows), name="screen_scores")
+        pk.rmsnorm_linear_layer(x, norm, att(screened[0], "lm_head_screen"), scores,
+                                grid_dim=divisor_near(rows, 2 * tasks), eps=c.eps)
+        logits = pk.new_tensor((batch, rows), name="logits")
+        pk.screened_logits_layer(scores, x, norm, lm_head, att(screened[1], "lm_head_row_bound"), logits, eps=c.eps)
+        return pick_and_compile(pk, logits, sampling)
+    head = pk.new_tensor((batch, rows), name="local_logits" if tp else "logits")
+    pk.rmsnorm_linear_layer(x, norm, lm_head, head, grid_dim=divisor_near(rows, 2 * tasks), eps=c.eps)
     logits = head
     if tp:
         logits = pk.new_tensor((batch, tp.vocab), name="logits")

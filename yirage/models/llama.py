@@ -16,6 +16,7 @@ from typing import Any
 from yirage.models import prefill
 from yirage.models.config import LlamaConfig, ModelError, load_config, resolve_dtype, resolve_kv_dtype
 from yirage.models.decoder import DecoderParts, build_decoder
+from yirage.models.head_screen import bf16_screen
 from yirage.models.placement import Placement
 from yirage.models.weights import checkpoint_reader, decode_weights, load_weights
 
@@ -40,6 +41,7 @@ class LlamaModel:
         self.kv_dtype = resolve_kv_dtype(None)  # of the caches reset_cache makes (InferEngine's kv_cache_dtype)
         self.cos = self.sin = None
         self.gguf: Any = None  # a GGUFInfo when loaded with from_gguf
+        self._screen: tuple[Any, Any] | None = None  # (the LM head's (address, version), head_screen's tensors)
 
     @property
     def device(self) -> Any:
@@ -118,19 +120,51 @@ class LlamaModel:
     def decoder_parts(self) -> DecoderParts:
         """What the decode step reads (call reset_cache first)."""
         return DecoderParts(self.config, self.embed, self.norm, self.lm_head, self.blocks, self.k_cache,
-                            self.v_cache, self.cos, self.sin)
+                            self.v_cache, self.cos, self.sin, head_screen=self.head_screen)
+
+    def head_screen(self) -> tuple[Any, Any] | None:
+        """The LM head's bf16 copy and row bounds for a greedy decode's two-pass head (yirage.models.head_screen),
+        or None where the head gets none (not float32, or not finite). Made on first use; where the head changed in
+        place since (a torch update), the tensors already given to decoders are remade in place, or, where the head
+        no longer gets a screen, their bounds set to NaN, which makes the runtimes compute every row exactly."""
+        import torch
+
+        head = self.lm_head
+        if not isinstance(head, torch.Tensor):
+            return None
+        key = (head.data_ptr(), head._version)
+        if self._screen is not None and self._screen[0] == key:
+            return self._screen[1]
+        made, given = bf16_screen(head), None if self._screen is None else self._screen[1]
+        if given is not None:
+            if made is not None and made[0].shape == given[0].shape:
+                given[0].copy_(made[0])
+                given[1].copy_(made[1])
+            else:
+                given[1].fill_(torch.nan)
+            made = given
+        self._screen = (key, made)
+        return made
+
+    def refresh_head_screen(self) -> None:
+        """Before a decoder that may read the screen runs: bring a screen already made up to date with the head
+        (``head_screen``); nothing where none was made."""
+        if self._screen is not None:
+            self.head_screen()
 
     def build_decoder(self, step: Any, tokens: Any, backend: Any = None, num_workers: int | None = None,
                       num_local_schedulers: int | None = None, eos_token_id: Any = None,
                       sampling: dict[str, Any] | None = None, profiler_tensor: Any = None,
-                      tasks: int | None = None) -> Any:
+                      tasks: int | None = None, screen: bool = False) -> Any:
         """A compiled PersistentKernel that decodes with these weights and caches (yirage.models.decoder).
 
         ``step`` and ``tokens`` must be on the model's device. ``tasks``: tasks per projection (the LM head gets
-        twice as many); None: the kernel configuration's ``tasks_per_layer``, else 16.
+        twice as many); None: the kernel configuration's ``tasks_per_layer``, else 16. ``screen``: a greedy decoder
+        reads the LM head in two passes where the backend can (decoder.build_decoder); its "logits" are then -inf
+        outside the rows that could be picked.
         """
         if not self.k_cache or self.k_cache[0].shape[0] != tokens.shape[0]:
             raise ModelError("call reset_cache(batch_size, max_len) with the tokens' batch size first")
         return build_decoder(self.decoder_parts(), step, tokens, backend=backend, num_workers=num_workers,
                              num_local_schedulers=num_local_schedulers, eos_token_id=eos_token_id, sampling=sampling,
-                             profiler_tensor=profiler_tensor, tasks=tasks)
+                             profiler_tensor=profiler_tensor, tasks=tasks, screen=screen)

@@ -47,7 +47,7 @@ from yirage.persistent import control, cstyle_gemv, cstyle_sample
 from yirage.persistent.control import Ctl, CtlError
 from yirage.persistent.cstyle_buffers import CTL, SCORES, STEP, XS, PKLaunch, tensor_name
 from yirage.persistent.program import PersistentProgram
-from yirage.persistent.runtime import SINGLE_DEVICE, TaskBodies
+from yirage.persistent.runtime import NO_SCREEN, SINGLE_DEVICE, TaskBodies
 from yirage.persistent.specs import FloatCol, IntCol
 
 RENDERER_VERSION = "2"
@@ -541,7 +541,8 @@ TASKS = TaskBodies("C-family", {
     "linear_with_residual": _Renderer.linear_with_residual,
     "silu_mul_linear_with_residual": _Renderer.silu_mul_linear_with_residual,
     "argmax": _Renderer.argmax, "sample": _Renderer.sample,
-}, declined=SINGLE_DEVICE, where="yirage.persistent.cstyle (a _Renderer method, named in cstyle.TASKS)")
+}, declined={**SINGLE_DEVICE, **NO_SCREEN},
+   where="yirage.persistent.cstyle (a _Renderer method, named in cstyle.TASKS)")
 
 
 def render_persistent(program: PersistentProgram, dialect: Dialect, group: int = GROUP,

@@ -27,6 +27,7 @@ from yirage.persistent.guard import Snapshot, check_disjoint, check_tensor, refu
 from yirage.persistent.layers import Layer, LayerError, PKTensor, check_collective_layer, check_world, require, split_ok
 from yirage.persistent.program import PersistentProgram, build_program
 from yirage.persistent.runtime import check_runtime
+from yirage.persistent.specs import layer_spec
 from yirage.persistent.task_graph import TaskGraph
 from yirage.quant import FORMATS as QUANT_FORMATS
 from yirage.quant import QuantizedTensor
@@ -371,6 +372,48 @@ class PersistentKernel:
         check_collective_layer(name, (self.world_size, self.mpi_rank), label, grid_dim)
         self._add("allgather", {"input": x}, output, 1, label=label, shard_width=shard_width)
 
+    def screened_logits_layer(self, input: PKTensor, hidden: PKTensor, weight_norm: PKTensor, weight: PKTensor,
+                              row_bound: PKTensor, output: PKTensor, eps: float = 1e-6, grid_dim: Any = 1,
+                              block_dim: Any = None) -> None:
+        """A greedy LM head's second pass: ``output`` holds, for every row ``i`` that can hold a row's maximum, the
+        exact logit ``rms_norm(hidden) * weight_norm @ weight[i]`` (bit for bit what ``rmsnorm_linear_layer`` over
+        ``weight`` computes), and -inf for every other row, so ``argmax_layer`` over ``output`` picks what it picks
+        over the exact logits, NaN and ties included.
+
+        ``input`` is the first pass: scores of the same rows from a cheaper copy of ``weight`` (fewer bytes to
+        stream, e.g. rounded to bfloat16), within ``row_bound[i] * sum(|x|)`` of the exact logit, where ``x`` is the
+        normalized hidden row (yirage.models.head_screen derives the bound). A row ``i`` is kept where
+        ``input[i] + bound_i >= max_j (input[j] - bound_j)``: the exact maximum is always among them. A screen
+        that is not finite is not trusted: then every row is computed exactly. One task; only runtimes that
+        declare a body run it (``runs("screened_logits")``). Nothing but ``argmax_layer`` may read ``output``."""
+        name = "screened_logits_layer"
+        a, x = self._own(name, "input", input), self._own(name, "hidden", hidden)
+        require(len(x.dims) == 2 and x.dims[0] == self.batch, name,
+                f"hidden must be (batch={self.batch}, K), got {x.dims}")
+        k = x.dims[1]
+        self._dims(name, "weight_norm", self._own(name, "weight_norm", weight_norm, "weight"), (k,))
+        w = self._own(name, "weight", weight, "weight")
+        require(len(w.dims) == 2 and w.dims[1] == k, name, f"weight must be (vocab, {k}) like nn.Linear, got "
+                                                           f"{w.dims}")
+        self._dims(name, "input", a, (self.batch, w.dims[0]))
+        bound = self._own(name, "row_bound", row_bound, "weight")
+        self._dims(name, "row_bound", bound, (w.dims[0],))
+        require(bound.dtype == "float32", name, f"row_bound {bound.name!r} is {bound.dtype}; give float32 bounds")
+        self._dims(name, "output", output, (self.batch, w.dims[0]))
+        require(grid_dim is None or _grid(grid_dim) == 1, name, f"one task scans the screen; grid_dim must be 1, "
+                                                               f"got {grid_dim}")
+        require(eps >= 0, name, f"eps={eps} must be >= 0")
+        self._add("screened_logits", {"input": a, "hidden": x, "weight_norm": weight_norm, "weight": w,
+                                      "row_bound": bound}, output, 1, eps=float(eps))
+
+    def runs(self, kind: str) -> bool:
+        """Whether this kernel's backend runs layers of ``kind`` (its runtime's task bodies,
+        ``Backend.persistent_task_bodies``): a model asks before it builds a layer only some runtimes have, such
+        as ``screened_logits``, and builds the plain layers otherwise."""
+        layer_spec(kind)
+        bodies = self.backend.persistent_task_bodies()
+        return bodies is not None and kind in bodies.bodies
+
     def argmax_layer(self, input: PKTensor, output: PKTensor, grid_dim: Any = 1, block_dim: Any = None) -> None:
         """Greedy decoding: output[b, 0] = argmax of the logits row (first index on ties)."""
         self._picker("argmax", input, output, {})
@@ -393,6 +436,10 @@ class PersistentKernel:
         name = f"{kind}_layer"
         x = self._own(name, "input", input)
         require(len(x.dims) == 2 and x.dims[0] == self.batch, name, f"input must be (batch, vocab), got {x.dims}")
+        screened = any(layer.kind == "screened_logits" and layer.output is x for layer in self.layers)
+        require(kind == "argmax" or not screened, name,
+                f"input {x.name!r} holds screened logits (-inf outside the rows that can be the maximum): only "
+                "argmax_layer may read them; sample from the exact logits of an rmsnorm_linear_layer")
         self._dims(name, "output", output, (self.batch, 1), floats=False)
         require(output.dtype in ("int64", "int32"), name, f"output must be an int tensor, got {output.dtype}")
         self._add(kind, {"input": x}, output, 1, **params)

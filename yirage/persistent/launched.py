@@ -31,7 +31,7 @@ from yirage.persistent.control import Ctl
 from yirage.persistent.guard import Snapshot, check_tensor, token_out_of_range
 from yirage.persistent.layers import Layer
 from yirage.persistent.program import PersistentProgram
-from yirage.persistent.runtime import SINGLE_DEVICE, TaskBodies, register_task_bodies
+from yirage.persistent.runtime import NO_SCREEN, SINGLE_DEVICE, TaskBodies, register_task_bodies
 from yirage.persistent.specs import FloatCol, IntCol
 
 Launch = Callable[[], None]
@@ -401,7 +401,8 @@ TASKS: TaskBodies = register_task_bodies("launched", {
     "attention": LaunchedRuntime._attention, "linear_with_residual": LaunchedRuntime._linear_with_residual,
     "silu_mul_linear_with_residual": LaunchedRuntime._silu_mul_linear_with_residual,
     "argmax": LaunchedRuntime._argmax, "sample": LaunchedRuntime._sample,
-}, declined=SINGLE_DEVICE, where="yirage.persistent.launched (a LaunchedRuntime method, named in launched.TASKS) "
-   "and its kernels to yirage.persistent.triton_tasks")
+}, declined={**SINGLE_DEVICE, **NO_SCREEN},
+   where="yirage.persistent.launched (a LaunchedRuntime method, named in launched.TASKS) and its kernels to "
+         "yirage.persistent.triton_tasks")
 
 __all__ = ["TASKS", "LaunchedRuntime", "LaunchedSteps", "StepGraph"]

@@ -77,6 +77,12 @@ SINGLE_DEVICE: dict[str, str] = {
            "run tensor-parallel decoders on backend='cpu'")
     for kind, spec in LAYER_SPECS.items() if spec.collective is not None}
 
+#: what a runtime without a screened LM head declines: models then build the head as rmsnorm_linear + argmax
+#: (PersistentKernel.runs), so this reason only reaches a program that adds the layer by hand
+NO_SCREEN: dict[str, str] = {
+    "screened_logits": "this runtime reads the LM head in one pass; build it with rmsnorm_linear_layer and "
+                       "argmax_layer (PersistentKernel.runs('screened_logits') says where the two-pass head runs)"}
+
 
 def check_task_bodies(table: TaskBodies) -> None:
     """Raise naming the runtime and the kinds when ``table`` does not cover LAYER_SPECS exactly."""

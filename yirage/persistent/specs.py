@@ -141,6 +141,10 @@ LAYER_SPECS: dict[str, LayerSpec] = {spec.kind: spec for spec in (
     # tensor parallelism: one task each; the runtime runs the collective (labelled by the layer's "label" param)
     LayerSpec("allreduce", "allreduce_layer", ("input",), output=Partition.WHOLE, collective="all_reduce"),
     LayerSpec("allgather", "allgather_layer", ("input",), output=Partition.WHOLE, collective="all_gather"),
+    # a greedy LM head read in two passes (kernel.screened_logits_layer): the exact logits of the rows whose screen
+    # score can hold the row's maximum, -inf elsewhere; runtimes that lack it decline it (PersistentKernel.runs)
+    LayerSpec("screened_logits", "screened_logits_layer", ("input", "hidden", "weight_norm", "weight", "row_bound"),
+              output=Partition.WHOLE, params=(Param("eps", float, FloatCol.EPS),), dims=(_K,)),
 )}
 
 KIND_CODES: dict[str, int] = {kind: code for code, kind in enumerate(LAYER_SPECS)}

@@ -131,6 +131,22 @@ class ReferenceRuntime:
         probs = torch.softmax(q @ keys.t() / d**0.5, dim=-1)
         out[b, g * group * d:(g + 1) * group * d] = (probs @ values).reshape(-1)
 
+    def _screened_logits(self, layer: Layer, t: int, out: Any, lo: int, hi: int) -> None:
+        """The exact logits where the screen says a row can be the maximum, -inf elsewhere (every row exact where
+        the screen or its bound is not finite): PersistentKernel.screened_logits_layer."""
+        import torch
+
+        f32 = torch.float32
+        x = self._arg(layer, "hidden").to(f32)
+        xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._float(layer, FloatCol.EPS))
+        xn = xn * self._arg(layer, "weight_norm").to(f32)
+        exact = xn @ self._arg(layer, "weight").to(f32).t()
+        screen = self._arg(layer, "input").to(torch.float64)
+        bound = self._arg(layer, "row_bound").to(torch.float64)[None] * xn.abs().to(torch.float64).sum(-1, keepdim=True)
+        keep = screen + bound >= (screen - bound).max(-1, keepdim=True).values
+        trusted = (torch.isfinite(screen) & torch.isfinite(bound)).all(-1, keepdim=True)
+        out[:, lo:hi] = torch.where(keep | ~trusted, exact, torch.full_like(exact, -torch.inf))
+
     def _argmax(self, layer: Layer, t: int, out: Any, lo: int, hi: int) -> None:
         import torch
 
@@ -213,4 +229,5 @@ TASKS: TaskBodies = register_task_bodies("reference", {
     "attention": ReferenceRuntime._attention, "linear_with_residual": ReferenceRuntime._linear_with_residual,
     "silu_mul_linear_with_residual": ReferenceRuntime._silu_mul_linear_with_residual,
     "argmax": ReferenceRuntime._argmax, "sample": ReferenceRuntime._sample,
+    "screened_logits": ReferenceRuntime._screened_logits,
 }, declined=SINGLE_DEVICE, where="yirage.reference.persistent (a ReferenceRuntime method, named in its TASKS)")

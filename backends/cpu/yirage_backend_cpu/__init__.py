@@ -71,6 +71,12 @@ class CPUBackend(yirage.Backend):
         self.require_available()
         return CPUPersistentRuntime(program, config)
 
+    def persistent_task_bodies(self) -> Any:
+        """pk_tasks' kinds: the runtime's own, the screened LM head included (a model then builds it)."""
+        from yirage_backend_cpu.pk_tasks import TASKS
+
+        return TASKS
+
     def prompt_linear(self) -> Any:
         """The prompt's projections over Q8_0 / Q4_0 blocks through the decode's group kernels (prompt_linear.py)."""
         from yirage_backend_cpu.prompt_linear import prompt_linear

@@ -81,15 +81,15 @@ ERR_TOKEN = int(CtlError.TOKEN)  # flags[ERROR]: a token id outside the embed ta
 
 # Kind codes and descriptor columns come from the core's LayerSpec table (yirage.persistent.specs); numba
 # freezes these module globals into the compiled code, and LAYOUT makes a changed table recompile it.
-EMBED, RMSLIN, ATTN, LINRES, SILURES, ARGMAX, SAMPLE, ALLRED, ALLGAT = (kind_code(k) for k in (
+EMBED, RMSLIN, ATTN, LINRES, SILURES, ARGMAX, SAMPLE, ALLRED, ALLGAT, SCREEN = (kind_code(k) for k in (
     "embed", "rmsnorm_linear", "attention", "linear_with_residual", "silu_mul_linear_with_residual", "argmax",
-    "sample", "allreduce", "allgather"))
+    "sample", "allreduce", "allgather", "screened_logits"))
 # the kinds execute() has a branch for, by the kind code it tests (the collectives' branch hands the layer to
 # pk_comm's thread); checked against the core's LayerSpec table at import
 TASKS = register_task_bodies("cpu", {
     "embed": EMBED, "rmsnorm_linear": RMSLIN, "attention": ATTN, "linear_with_residual": LINRES,
     "silu_mul_linear_with_residual": SILURES, "argmax": ARGMAX, "sample": SAMPLE, "allreduce": ALLRED,
-    "allgather": ALLGAT,
+    "allgather": ALLGAT, "screened_logits": SCREEN,
 }, where="yirage_backend_cpu.pk_tasks (a branch of execute, its kind code named in pk_tasks.TASKS)")
 C_KIND, C_OUT, C_K, C_N, C_TASKS = (int(c) for c in (IntCol.KIND, IntCol.OUTPUT, IntCol.K, IntCol.N, IntCol.TASKS))
 C_KV_HEADS, C_GROUP, C_HEAD_DIM, C_SEQ = (int(c) for c in (IntCol.KV_HEADS, IntCol.GROUP, IntCol.HEAD_DIM,
@@ -114,6 +114,8 @@ RMS_X, RMS_W, RMS_NORM, RMS_BIAS = _columns("rmsnorm_linear", "input", "weight_l
 LIN_X, LIN_W, LIN_RES = _columns("linear_with_residual", "input", "weight", "residual")
 SILU_X, SILU_W, SILU_RES = _columns("silu_mul_linear_with_residual", "input", "weight", "residual")
 ATT_QKV, ATT_KC, ATT_VC, ATT_COS, ATT_SIN = _columns("attention", "input", "k_cache", "v_cache", "cos", "sin")
+SCR_IN, SCR_X, SCR_NORM, SCR_W, SCR_BOUND = _columns("screened_logits", "input", "hidden", "weight_norm", "weight",
+                                                     "row_bound")
 LAYOUT = layout_fingerprint()
 
 
@@ -230,6 +232,71 @@ def row_tail(xs, b, k, w_addr, w_dtype, nn, chunks, s):  # type: ignore[no-untyp
     for i in range(chunks * CHUNK, k):
         s += xs[b * k + i] * load(w_addr, nn * k + i, w_dtype)
     return s
+
+
+@njit(inline="always", **OPTS)
+def rms_rows(x, g, xs, batch, k, eps):  # type: ignore[no-untyped-def]
+    """xs[b] = x[b] / sqrt(mean(x[b]^2) + eps) * g for ``batch`` rows of ``k``: the rows an rmsnorm_linear task
+    multiplies, and the ones ``screened_rows`` recomputes exact logits from (the same code: the same bits)."""
+    kk = U(k)  # unsigned indices: no wraparound checks, so the loops vectorize
+    for b in range(U(batch)):
+        xb = x[b * kk:][:k]
+        ob = xs[b * kk:][:k]
+        ss = np.float32(0)
+        for i in range(kk):
+            v = xb[i]
+            ss = rfma(ss, v, v)
+        inv = np.float32(1.0) / math.sqrt(ss / np.float32(k) + np.float32(eps))
+        for i in range(kk):
+            ob[i] = xb[i] * inv * g[i]
+
+
+SCREEN_LANES = 8
+
+
+@njit(**OPTS)
+def screened_rows(screen, x, g, w_addr, w_dtype, bound, out, batch, k, vocab, eps, xs, work, entry, none):
+    # type: ignore[no-untyped-def]
+    """A screened_logits task (PersistentKernel.screened_logits_layer): per batch row, the exact logits of the rows
+    whose screen score can hold the maximum (``screen[i] + bound[i] * |x|_1 >= max_j screen[j] - bound[j] * |x|_1``,
+    in float64, x the normalized row), -inf for the others. The exact ones come from the projections' own entry
+    point (``entry``, linear_entry) one weight row at a time: the bits rmsnorm_linear gives that row in any batch
+    (its tiles and single rows agree bit for bit, tests/test_float_dot.py). A screen or bound that is not finite
+    is not trusted: the row's logits are then all computed exactly."""
+    for b in range(batch):
+        rms_rows(x[b * k:][:k], g, xs, 1, k, eps)
+        total = 0.0
+        for i in range(k):
+            total += abs(np.float64(xs[i]))
+        scores = screen[b * vocab:][:vocab]
+        logits = out[b * vocab:][:vocab]
+        lows = np.full(SCREEN_LANES, -np.inf)  # independent lanes and selects: the loop vectorizes (argmax_row)
+        odd = np.zeros(SCREEN_LANES)  # sums of s - s and r - r: 0, or NaN once a score or bound is not finite
+        full = vocab - vocab % SCREEN_LANES
+        for i in range(0, full, SCREEN_LANES):
+            for j in range(SCREEN_LANES):
+                s = np.float64(scores[i + j])
+                r = np.float64(bound[i + j]) * total
+                v = s - r
+                lows[j] = v if v > lows[j] else lows[j]
+                odd[j] += (s - s) + (r - r)
+        low, check = -np.inf, total - total
+        for j in range(SCREEN_LANES):
+            low = lows[j] if lows[j] > low else low
+            check += odd[j]
+        for i in range(full, vocab):
+            s = np.float64(scores[i])
+            r = np.float64(bound[i]) * total
+            low = s - r if s - r > low else low
+            check += (s - s) + (r - r)
+        logits[:] = -np.inf
+        finite = check == 0.0
+        if not finite:
+            call_linear(entry, xs, 1, k, w_addr, w_dtype, 0, vocab, logits, vocab, none, none, work, 0)
+            continue
+        for i in range(vocab):
+            if np.float64(scores[i]) + np.float64(bound[i]) * total >= low:
+                call_linear(entry, xs, 1, k, w_addr, w_dtype, i, i + 1, logits, vocab, none, none, work, 0)
 
 
 @njit(inline="always", **OPTS)
@@ -657,21 +724,9 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
                 for i in range(cols):
                     out[b * n + n0 + i] = xs[i]
     elif kind == RMSLIN:
-        x = f32s(addr[lp[layer, RMS_X]], batch * k)
-        g = f32s(addr[lp[layer, RMS_NORM]], k)
         xs = scratch[:batch * k]
-        eps = lf[layer, F_EPS]
-        kk = U(k)  # unsigned indices: no wraparound checks, so the loops vectorize
-        for b in range(U(batch)):
-            xb = x[b * kk:][:k]
-            ob = xs[b * kk:][:k]
-            ss = np.float32(0)
-            for i in range(kk):
-                v = xb[i]
-                ss = rfma(ss, v, v)
-            inv = np.float32(1.0) / math.sqrt(ss / np.float32(k) + np.float32(eps))
-            for i in range(kk):
-                ob[i] = xb[i] * inv * g[i]
+        rms_rows(f32s(addr[lp[layer, RMS_X]], batch * k), f32s(addr[lp[layer, RMS_NORM]], k), xs, batch, k,
+                 lf[layer, F_EPS])
         bias = f32s(addr[lp[layer, RMS_BIAS]], n) if lp[layer, RMS_BIAS] >= 0 else none
         call_linear(entries[LINEAR_ENTRY], xs, batch, k, addr[lp[layer, RMS_W]], tdt[lp[layer, RMS_W]], n0, n0 + cols,
                     out, n, none, bias, scratch[batch * k:], entries[QUANT_ENTRY])
@@ -692,6 +747,12 @@ def execute(task, w, addr, tdt, tnum, lp, lf, task_layer, task_index, batch, scr
                 ob[i] = fsilu(gb[i]) * gb[kk + i]
         call_linear(entries[LINEAR_ENTRY], xs, batch, k, addr[lp[layer, SILU_W]], tdt[lp[layer, SILU_W]], n0,
                     n0 + cols, out, n, res, none, scratch[batch * k:], entries[QUANT_ENTRY])
+    elif kind == SCREEN:
+        hk = tnum[lp[layer, SCR_NORM]]  # the hidden width
+        wi = lp[layer, SCR_W]
+        screened_rows(f32s(addr[lp[layer, SCR_IN]], batch * n), f32s(addr[lp[layer, SCR_X]], batch * hk),
+                      f32s(addr[lp[layer, SCR_NORM]], hk), addr[wi], tdt[wi], f32s(addr[lp[layer, SCR_BOUND]], n), out,
+                      batch, hk, n, lf[layer, F_EPS], scratch[:hk], scratch[hk:], entries[LINEAR_ENTRY], none)
     elif kind == ATTN:
         kci, vci = lp[layer, ATT_KC], lp[layer, ATT_VC]
         # float32 caches, or bfloat16 / float16 bits (both caches: one dtype): each behind its own entry point
