@@ -55,12 +55,13 @@ def bf16_screen(weight: Any) -> tuple[Any, Any] | None:
     if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
     k = weight.shape[1]
-    if k * F32_UNIT >= 0.5 or not bool(torch.isfinite(weight).all()):
+    if k * F32_UNIT >= 0.5:
         return None
+    largest = torch.linalg.vector_norm(weight, ord=torch.inf, dim=1)  # max |W_ij| per row, NaN where a NaN is
+    if not bool(torch.isfinite(largest).all()) or float(largest.max()) > torch.finfo(torch.bfloat16).max:
+        return None  # a value that is not finite, or one that rounds to inf in bf16
     screen = weight.to(torch.bfloat16)
-    if not bool(torch.isfinite(screen).all()):
-        return None
-    largest = weight.abs().amax(dim=1).to(torch.float64)
+    largest = largest.to(torch.float64)
     bound = torch.where(largest > 0, largest.clamp_min(SMALLEST_NORMAL) * bound_factor(k), torch.zeros_like(largest))
     rounded = bound.to(torch.float32)
     up = torch.nextafter(rounded, torch.full_like(rounded, torch.inf))
