@@ -348,10 +348,11 @@ def sweep(model: Model, tokens: int) -> dict[str, float]:
 
 
 def profile_breakdown(model: Model) -> dict[str, float]:
-    """Per-layer-kind task time (µs, summed over tasks) of one f32 decode step, from the profiler tensor."""
+    """Per-layer-kind task time (µs, summed over tasks) of one f32 decode step, from the profiler tensor (the
+    engine's greedy decoder: its LM head screened, yirage.models.head_screen)."""
     engine = InferEngine(model.path, backend="cpu")
     engine.generate(model.ids, GenerationConfig(max_new_tokens=2, eos_token_id=()))
-    pk = engine.model.build_decoder(engine._step, engine._tokens, backend="cpu",
+    pk = engine.model.build_decoder(engine._step, engine._tokens, backend="cpu", screen=True,
                                     profiler_tensor=torch.zeros(3 * 16384, dtype=torch.int64))
     pk(1)
     prof, graph = pk.profiler_tensor, pk.task_graph

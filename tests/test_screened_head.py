@@ -15,12 +15,14 @@ import yirage as yr
 from yirage.engine import GenerationConfig, InferEngine
 from yirage.models.head_screen import SCREEN_ENV, bf16_screen
 from yirage.persistent.layers import LayerError
+from yirage.persistent.specs import SCREEN_UNDERFLOW
 
 transformers = pytest.importorskip("transformers")
 
 from llm_oracle import zoo_factory  # noqa: E402 - needs transformers, checked just above
 
-HIDDEN, VOCAB, BATCH, EPS = 64, 256, 3, 1e-5
+HIDDEN, VOCAB, BATCH, EPS = 64, 250, 5, 1e-5  # a vocab that is no multiple of the scan's 8 lanes; batch rows past
+# the one-pass head's 4-row tiles (their bits must equal the screened task's one-row recompute)
 RUNTIMES = ("cpu", "reference")
 
 
@@ -47,7 +49,7 @@ def near_tie_head(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     embed = torch.randn(VOCAB, HIDDEN, generator=g)
     gain = 0.5 + torch.rand(HIDDEN, generator=g)
     head = torch.randn(VOCAB, HIDDEN, generator=g) * 0.05
-    tokens = [3, 17, 40]
+    tokens = [3, 17, 40, 41, 99]
     places = torch.randperm(VOCAB, generator=g).tolist()
     for n, tok in enumerate(tokens):
         x = normalized(embed[tok], gain)
@@ -72,10 +74,10 @@ def decode_one(backend: str, embed: torch.Tensor, gain: torch.Tensor, head: torc
     norm, weight = pk.attach_input(gain, "norm"), pk.attach_input(head, "head")
     logits = pk.new_tensor((BATCH, VOCAB), name="logits")
     if screen is None:
-        pk.rmsnorm_linear_layer(x, norm, weight, logits, grid_dim=4, eps=EPS)
+        pk.rmsnorm_linear_layer(x, norm, weight, logits, grid_dim=5, eps=EPS)
     else:
         scores = pk.new_tensor((BATCH, VOCAB), name="scores")
-        pk.rmsnorm_linear_layer(x, norm, pk.attach_input(screen[0], "screen"), scores, grid_dim=4, eps=EPS)
+        pk.rmsnorm_linear_layer(x, norm, pk.attach_input(screen[0], "screen"), scores, grid_dim=5, eps=EPS)
         pk.screened_logits_layer(scores, x, norm, weight, pk.attach_input(screen[1], "bound"), logits, eps=EPS)
     pk.argmax_layer(logits, pk.new_tensor((BATCH, 1), dtype=torch.int64, name="next"))
     pk.compile()
@@ -120,11 +122,94 @@ def test_a_screen_that_is_not_finite_computes_every_row(backend) -> None:
     bound[7] = torch.nan  # what LlamaModel.head_screen leaves where an updated head gets no screen
     picked, screened = decode_one(backend, embed, gain, head, tokens, (screen, bound))
     assert torch.equal(picked, plain) and torch.equal(screened, exact)
+    for value in (torch.inf, -torch.inf):  # a screen row that is not finite: not trusted either
+        bad = screen.clone()
+        bad[9] = value
+        picked, screened = decode_one(backend, embed, gain, head, tokens, (bad, bf16_screen(head)[1]))
+        assert torch.equal(picked, plain) and torch.equal(screened, exact)
     embed = embed.clone()
     embed[tokens[1], 5] = torch.inf  # a hidden row that is not finite: NaN logits, the first NaN is picked
     plain, exact = decode_one(backend, embed, gain, head, tokens, None)
     picked, screened = decode_one(backend, embed, gain, head, tokens, bf16_screen(head))
     assert torch.equal(picked, plain) and torch.equal(screened.isnan(), exact.isnan())
+
+
+@pytest.mark.parametrize("backend", RUNTIMES)
+def test_an_exact_tie_picks_the_first_row(backend) -> None:
+    need(backend)
+    embed, gain, head, tokens = near_tie_head()
+    x = normalized(embed[tokens[0]], gain)
+    head[30] = head[200] = (x / x.norm() * 0.4).float()  # the same row twice, above every other logit of token 0
+    picked, screened = decode_one(backend, embed, gain, head, tokens, bf16_screen(head))
+    plain, _ = decode_one(backend, embed, gain, head, tokens, None)
+    assert int(picked[0]) == 30 and torch.equal(picked, plain)
+    assert screened[0, 30] == screened[0, 200]
+
+
+@pytest.mark.parametrize("backend", RUNTIMES)
+def test_logits_that_underflow_keep_their_tie(backend) -> None:
+    """x = [2^-149, 0]: the exact logits of rows [2.5 + 2^-22, 0] and [2.75, 0] both round to 3 * 2^-149 (a tie:
+    row 0 wins), their bf16 screens to 2 and 3 * 2^-149, a gap no relative bound covers: the bound's absolute term
+    (K * SCREEN_UNDERFLOW) keeps row 0."""
+    need(backend)
+    toks, step = torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    pk = yr.PersistentKernel(max_seq_length=4, meta_tensors=[step, toks], backend=backend)
+    embed = torch.ones(8, 2)
+    head = torch.zeros(8, 2)
+    head[0, 0], head[1, 0] = 2.5 + 2**-22, 2.75
+    gain = torch.tensor([2.0**-149, 0.0])
+    screen, bound = bf16_screen(head)
+    x = pk.new_tensor((1, 2), name="x")
+    pk.embed_layer(pk.tokens_tensor, pk.attach_input(embed, "embed"), x)
+    norm, weight = pk.attach_input(gain, "norm"), pk.attach_input(head, "head")
+    scores, logits = pk.new_tensor((1, 8), name="scores"), pk.new_tensor((1, 8), name="logits")
+    pk.rmsnorm_linear_layer(x, norm, pk.attach_input(screen, "screen"), scores, eps=EPS)
+    pk.screened_logits_layer(scores, x, norm, weight, pk.attach_input(bound, "bound"), logits, eps=EPS)
+    pk.argmax_layer(logits, pk.new_tensor((1, 1), dtype=torch.int64, name="next"))
+    pk.compile()
+    assert pk(1) == 1
+    got = pk.read("logits")[0]
+    assert got[0] == got[1] == 3 * 2.0**-149 and scores_differ(pk) and int(toks[0, 1]) == 0
+
+
+@pytest.mark.parametrize("backend", RUNTIMES)
+def test_logits_that_overflow_are_computed_exactly(backend) -> None:
+    """x = [b, b] with b just below 2^64 / 1.5: row 0, [a, -a] with a = (1.5 + 2^-9) * 2^64, overflows in float32
+    (its exact logit is NaN or inf: picked), while its bf16 screen [1.5, -1.5] * 2^64 scores a finite 0, far
+    below row 1's 1e38. Its bound reaches SCREEN_OVERFLOW, so every row is computed: the one-pass pick."""
+    need(backend)
+    b = 2.0**64 / (1.5 + 2**-10)
+    a = (1.5 + 2**-9) * 2.0**64
+    head = torch.zeros(8, 2)
+    head[0] = torch.tensor([a, -a])
+    head[1] = 1e38 / (2 * b)
+    picks = []
+    for screened in (False, True):
+        toks, step = torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        pk = yr.PersistentKernel(max_seq_length=4, meta_tensors=[step, toks], backend=backend)
+        x = pk.new_tensor((1, 2), name="x")
+        pk.embed_layer(pk.tokens_tensor, pk.attach_input(torch.ones(8, 2), "embed"), x)
+        norm, weight = pk.attach_input(torch.full((2,), b), "norm"), pk.attach_input(head, "head")
+        logits = pk.new_tensor((1, 8), name="logits")
+        if screened:
+            screen, bound = bf16_screen(head)
+            scores = pk.new_tensor((1, 8), name="scores")
+            pk.rmsnorm_linear_layer(x, norm, pk.attach_input(screen, "screen"), scores, eps=0.0)
+            pk.screened_logits_layer(scores, x, norm, weight, pk.attach_input(bound, "bound"), logits, eps=0.0)
+        else:
+            pk.rmsnorm_linear_layer(x, norm, weight, logits, eps=0.0)
+        pk.argmax_layer(logits, pk.new_tensor((1, 1), dtype=torch.int64, name="next"))
+        pk.compile()
+        assert pk(1) == 1
+        picks.append(int(toks[0, 1]))
+        if screened:
+            assert torch.isfinite(pk.read("scores")[0, :2]).all()  # the screen alone would have dropped row 0
+    assert picks == [0, 0]
+
+
+def scores_differ(pk) -> bool:
+    scores = pk.read("scores")[0]
+    return bool(scores[0] == 2 * 2.0**-149 and scores[1] == 3 * 2.0**-149)
 
 
 def test_the_bound_holds_for_extreme_rows() -> None:
@@ -140,10 +225,10 @@ def test_the_bound_holds_for_extreme_rows() -> None:
     w[2] = (1 + 2**-8) * x0.sign()  # every weight halfway between two bf16 values, rounded down, against x0's signs:
     # the screen's error is 2^-8 / (1 + 2^-8) of the bound's unit, all of one sign (a bound 2x too small fails)
     screen, bound = bf16_screen(w)
-    for x_scale in (1e-20, 1.0, 1e5):
+    for x_scale in (1e-25, 1e-20, 1.0, 1e5):  # 1e-25: products of the 1e-30 and 1e-40 rows underflow
         x = torch.cat([x0[None], torch.randn(7, k, generator=g)]) * x_scale
         gap = ((x @ screen.float().t()).double() - (x @ w.t()).double()).abs()
-        limit = bound.double()[None] * x.abs().double().sum(-1, keepdim=True)
+        limit = bound.double()[None] * x.abs().double().sum(-1, keepdim=True) + k * SCREEN_UNDERFLOW
         assert (gap <= limit).all(), (gap / limit.clamp_min(1e-300)).max()
     assert bf16_screen(w.bfloat16()) is None and bf16_screen(torch.full((4, k), torch.inf)) is None
     assert bf16_screen(torch.full((4, k), 3.4e38)) is None  # overflows bf16
@@ -190,6 +275,39 @@ def test_engine_screens_greedy_float32_decodes_and_keeps_their_tokens(zoo, monke
     logits = engine.generate(model.reference.ids, GenerationConfig(max_new_tokens=4, eos_token_id=(),
                                                                   output_logits=True)).logits
     assert torch.isfinite(logits).all()  # every logit asked for: the one-pass head
+
+
+def test_a_decoder_built_by_hand_follows_its_head(zoo) -> None:
+    """LlamaModel.build_decoder(screen=True) outside an engine: an in-place change of the head reaches the next run
+    (the screen is remade before it: PersistentKernel.before_each_run), and after ``lm_head`` is replaced by another
+    tensor the old decoder keeps the head it was given and computes every row exactly (its bounds NaN). The oracle
+    is a one-pass decoder over the same tensors (the caches start from zeros: no prefill, the same for both)."""
+    need("cpu")
+    model = zoo("llama-gqa")
+    lm = InferEngine(model.path, backend="cpu").model
+    ids = model.reference.ids
+    batch, prompt = ids.shape
+    lm.reset_cache(batch, prompt + 8)
+    tokens, step = torch.zeros(batch, prompt + 8, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64)
+
+    def run(decoder):
+        tokens.zero_()
+        tokens[:, :prompt] = ids
+        step.fill_(prompt - 1)
+        decoder(6)
+        return tokens[:, prompt:prompt + 6].clone()
+
+    screened = lm.build_decoder(step, tokens, backend="cpu", eos_token_id=[], screen=True)
+    plain = lm.build_decoder(step, tokens, backend="cpu", eos_token_id=[])
+    assert "screened_logits" in [layer.kind for layer in screened.program.layers]
+    before = run(plain)
+    assert torch.equal(run(screened), before)
+    lm.lm_head.mul_(-1.0)
+    after = run(plain)
+    assert not torch.equal(after, before) and torch.equal(run(screened), after)
+    lm.lm_head = lm.lm_head.flip(0).contiguous()  # another tensor: the decoders built above keep theirs
+    assert torch.equal(run(screened), after)
+    assert torch.isnan(screened.program.values["lm_head_row_bound"]).all()
 
 
 def test_a_head_changed_in_place_reaches_the_screened_decode(zoo) -> None:

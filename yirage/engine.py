@@ -349,8 +349,6 @@ class InferEngine:
         # greedy without output_logits: the LM head in two passes where the backend can (the same tokens, fewer bytes)
         screen = sampling is None and not config.output_logits and screen_enabled()
         key = (tuple(eos_ids), tuple(sorted((sampling or {}).items())), screen)
-        if screen:
-            self.model.refresh_head_screen()  # remade in place where the head changed since a decoder got it
         decoder = self._decoders.get(key)
         if decoder is None:
             with working(f"compiling the {self.backend.name} decode kernel (first generate of this shape and "

@@ -97,9 +97,6 @@ class TPModel:
         return self.reference.gather_logits(self.reference.forward(input_ids, positions, last_only, linear),
                                             "prefill logits all-gather")
 
-    def refresh_head_screen(self) -> None:
-        """No screened LM head (see build_decoder): nothing to refresh."""
-
     def build_decoder(self, step: Any, tokens: Any, backend: Any = None, num_workers: int | None = None,
                       num_local_schedulers: int | None = None, eos_token_id: Any = None,
                       sampling: dict[str, Any] | None = None, profiler_tensor: Any = None,

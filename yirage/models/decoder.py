@@ -166,6 +166,7 @@ def build_decoder(parts: DecoderParts, step: Any, tokens: Any, backend: Any = No
                                 grid_dim=divisor_near(rows, 2 * tasks), eps=c.eps)
         logits = pk.new_tensor((batch, rows), name="logits")
         pk.screened_logits_layer(scores, x, norm, lm_head, att(screened[1], "lm_head_row_bound"), logits, eps=c.eps)
+        pk.before_each_run(parts.head_screen)  # a head changed since: its screen remade, or its bounds NaN
         return pick_and_compile(pk, logits, sampling)
     head = pk.new_tensor((batch, rows), name="local_logits" if tp else "logits")
     pk.rmsnorm_linear_layer(x, norm, lm_head, head, grid_dim=divisor_near(rows, 2 * tasks), eps=c.eps)

@@ -14,10 +14,13 @@ The bound, for one row ``i`` of W (K columns) and the normalized hidden row x (f
 * a K-term dot product in float32, in any order, fused or not, is within ``gamma_K * sum |a_j b_j|`` of the real
   one, ``gamma_K = K u / (1 - K u)``, ``u = 2^-24``; the screen's dot and the exact one each add that;
 
-so ``|screen_i - exact_i| <= (2^-8 + gamma_K * (2 + 2^-8)) * max(M_i, 2^-126) * S`` with ``M_i = max_j |W_ij|``.
-``row_bound[i]`` is that factor times ``max(M_i, 2^-126)`` (0 for an all-zero row), widened by 2^-10 for the
-float64 products and sums the runtime compares in, and rounded up to float32. A matrix with a value that is not
-finite, or one that overflows bf16, gets no screen (the one-pass head runs).
+so ``|screen_i - exact_i| <= (2^-8 + gamma_K * (2 + 2^-8)) * max(M_i, 2^-126) * S`` with ``M_i = max_j |W_ij|``,
+as long as nothing underflows or overflows. ``row_bound[i]`` is that factor times ``max(M_i, 2^-126)`` (0 for an
+all-zero row), widened by 2^-10 for the float64 products and sums the runtime compares in, and rounded up to
+float32. The runtimes add ``K * 2^-148`` for products and sums that underflow (each off by up to 2^-150), and
+compute every row exactly where a bound reaches 2^118, where a dot product could overflow
+(``yirage.persistent.specs.SCREEN_UNDERFLOW`` / ``SCREEN_OVERFLOW``). A matrix with a value that is not finite, or
+one that overflows bf16, gets no screen (the one-pass head runs).
 """
 
 from __future__ import annotations

@@ -124,9 +124,12 @@ class LlamaModel:
 
     def head_screen(self) -> tuple[Any, Any] | None:
         """The LM head's bf16 copy and row bounds for a greedy decode's two-pass head (yirage.models.head_screen),
-        or None where the head gets none (not float32, or not finite). Made on first use; where the head changed in
-        place since (a torch update), the tensors already given to decoders are remade in place, or, where the head
-        no longer gets a screen, their bounds set to NaN, which makes the runtimes compute every row exactly."""
+        or None where the head gets none (not float32, or not finite). Made on first use, and called again before
+        every run of a decoder that reads it (PersistentKernel.before_each_run). Where the head changed in place
+        since (a torch update: its version counter), the tensors given to decoders are remade in place; where it no
+        longer gets a screen, or ``lm_head`` is another tensor now, their bounds are set to NaN instead, which makes
+        the runtimes compute every row exactly (decoders built before keep the head they were given). Writes that
+        torch does not count (``.data``, numpy views) are not seen, as for every buffer a runtime derives."""
         import torch
 
         head = self.lm_head
@@ -137,20 +140,14 @@ class LlamaModel:
             return self._screen[1]
         made, given = bf16_screen(head), None if self._screen is None else self._screen[1]
         if given is not None:
-            if made is not None and made[0].shape == given[0].shape:
+            if self._screen[0][0] == key[0] and made is not None and made[0].shape == given[0].shape:
                 given[0].copy_(made[0])
                 given[1].copy_(made[1])
+                made = given
             else:
                 given[1].fill_(torch.nan)
-            made = given
         self._screen = (key, made)
         return made
-
-    def refresh_head_screen(self) -> None:
-        """Before a decoder that may read the screen runs: bring a screen already made up to date with the head
-        (``head_screen``); nothing where none was made."""
-        if self._screen is not None:
-            self.head_screen()
 
     def build_decoder(self, step: Any, tokens: Any, backend: Any = None, num_workers: int | None = None,
                       num_local_schedulers: int | None = None, eos_token_id: Any = None,

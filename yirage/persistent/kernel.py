@@ -14,7 +14,7 @@ its key/value go to cache position ``step[b]``, attention covers positions
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from numbers import Integral
 from typing import Any
 
@@ -113,6 +113,7 @@ class PersistentKernel:
             check_tensor(t, what, self._device_type, written=True)
         check_disjoint([("step", step, True), ("tokens", tokens, True)])
         self._lock = ForkSafeRLock()  # a child forked mid-call must not inherit it held
+        self._before_run: list[Callable[[], Any]] = []  # before_each_run's callbacks
         self._snapshot: Snapshot | None = None
         self.batch = int(tokens.shape[0])
         self.max_seq_length = int(max_seq_length)
@@ -381,11 +382,13 @@ class PersistentKernel:
         over the exact logits, NaN and ties included.
 
         ``input`` is the first pass: scores of the same rows from a cheaper copy of ``weight`` (fewer bytes to
-        stream, e.g. rounded to bfloat16), within ``row_bound[i] * sum(|x|)`` of the exact logit, where ``x`` is the
-        normalized hidden row (yirage.models.head_screen derives the bound). A row ``i`` is kept where
-        ``input[i] + bound_i >= max_j (input[j] - bound_j)``: the exact maximum is always among them. A screen
-        that is not finite is not trusted: then every row is computed exactly. One task; only runtimes that
-        declare a body run it (``runs("screened_logits")``). Nothing but ``argmax_layer`` may read ``output``."""
+        stream, e.g. rounded to bfloat16), within ``bound_i = row_bound[i] * sum(|x|) + K * SCREEN_UNDERFLOW`` of
+        the exact logit, where ``x`` is the normalized hidden row (yirage.models.head_screen derives ``row_bound``;
+        yirage.persistent.specs the constants). A row ``i`` is kept where ``input[i] + bound_i >= max_j (input[j] -
+        bound_j)``: the exact maximum is always among them. A screen or bound that is not finite, or a bound that
+        reaches SCREEN_OVERFLOW (the float32 dot products could overflow), is not trusted: then every row is computed
+        exactly. One task; only runtimes that declare a body run it (``runs("screened_logits")``). Nothing but
+        ``argmax_layer`` may read ``output``."""
         name = "screened_logits_layer"
         a, x = self._own(name, "input", input), self._own(name, "hidden", hidden)
         require(len(x.dims) == 2 and x.dims[0] == self.batch, name,
@@ -405,6 +408,12 @@ class PersistentKernel:
         require(eps >= 0, name, f"eps={eps} must be >= 0")
         self._add("screened_logits", {"input": a, "hidden": x, "weight_norm": weight_norm, "weight": w,
                                       "row_bound": bound}, output, 1, eps=float(eps))
+
+    def before_each_run(self, refresh: Callable[[], Any]) -> None:
+        """Call ``refresh()`` before every decode of this kernel (under its lock, before its tensors are checked): a
+        model keeps the tensors it derived from others up to date with them (LlamaModel.head_screen: a changed LM
+        head's screen)."""
+        self._before_run.append(refresh)
 
     def runs(self, kind: str) -> bool:
         """Whether this kernel's backend runs layers of ``kind`` (its runtime's task bodies,
@@ -540,6 +549,8 @@ class PersistentKernel:
         with self._lock:
             if self.runtime is None:
                 self.compile()
+            for refresh in self._before_run:
+                refresh()
             assert self._snapshot is not None
             self._snapshot.verify()
             self.check_meta()

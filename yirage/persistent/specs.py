@@ -147,6 +147,13 @@ LAYER_SPECS: dict[str, LayerSpec] = {spec.kind: spec for spec in (
               output=Partition.WHOLE, params=(Param("eps", float, FloatCol.EPS),), dims=(_K,)),
 )}
 
+#: screened_logits' bound on |screen - exact| is ``row_bound[i] * sum|x| + K * SCREEN_UNDERFLOW``: a product or a sum
+#: that underflows is off by up to 2^-150 however small the row, which a relative bound does not cover
+SCREEN_UNDERFLOW = 2.0**-148
+#: and a row whose ``row_bound[i] * sum|x|`` reaches SCREEN_OVERFLOW is not trusted (every row computed exactly): its
+#: float32 dot products can overflow (|partial sums| <= max|W_i| * sum|x| < 2^8 * that), where no relative bound holds
+SCREEN_OVERFLOW = 2.0**118
+
 KIND_CODES: dict[str, int] = {kind: code for code, kind in enumerate(LAYER_SPECS)}
 
 

@@ -18,7 +18,7 @@ from yirage.persistent import shutdown
 from yirage.persistent.layers import Layer
 from yirage.persistent.program import PersistentProgram
 from yirage.persistent.runtime import SINGLE_DEVICE, TaskBodies, register_task_bodies
-from yirage.persistent.specs import FloatCol, IntCol
+from yirage.persistent.specs import SCREEN_OVERFLOW, SCREEN_UNDERFLOW, FloatCol, IntCol
 from yirage.quant import FORMATS as QUANT_FORMATS
 from yirage.quant import dequantize
 
@@ -133,7 +133,8 @@ class ReferenceRuntime:
 
     def _screened_logits(self, layer: Layer, t: int, out: Any, lo: int, hi: int) -> None:
         """The exact logits where the screen says a row can be the maximum, -inf elsewhere (every row exact where
-        the screen or its bound is not finite): PersistentKernel.screened_logits_layer."""
+        the screen or its bound is not finite, or the bound reaches SCREEN_OVERFLOW):
+        PersistentKernel.screened_logits_layer."""
         import torch
 
         f32 = torch.float32
@@ -143,8 +144,9 @@ class ReferenceRuntime:
         exact = xn @ self._arg(layer, "weight").to(f32).t()
         screen = self._arg(layer, "input").to(torch.float64)
         bound = self._arg(layer, "row_bound").to(torch.float64)[None] * xn.abs().to(torch.float64).sum(-1, keepdim=True)
+        bound = bound + x.shape[1] * SCREEN_UNDERFLOW
         keep = screen + bound >= (screen - bound).max(-1, keepdim=True).values
-        trusted = (torch.isfinite(screen) & torch.isfinite(bound)).all(-1, keepdim=True)
+        trusted = (torch.isfinite(screen) & torch.isfinite(bound) & (bound < SCREEN_OVERFLOW)).all(-1, keepdim=True)
         out[:, lo:hi] = torch.where(keep | ~trusted, exact, torch.full_like(exact, -torch.inf))
 
     def _argmax(self, layer: Layer, t: int, out: Any, lo: int, hi: int) -> None:

@@ -94,6 +94,8 @@ from yirage_backend_cpu.pk_tasks import (
     OPTS,
     RUNTIME_COLUMNS,
     SAMPLE,
+    SCR_NORM,
+    SCREEN,
     STOP,
     TASKS,
     check_compiled_layout,
@@ -359,6 +361,8 @@ class CPUPersistentRuntime:
                               + int(row[C_HEAD_DIM]))
             else:  # the normalized / gated input rows and a quantized GEMV's work space, or an embed row
                 scratch = max(scratch, 2 * program.batch * max(int(row[C_K]), 1), int(row[C_N]))
+            if row[C_KIND] == SCREEN:  # its normalized hidden row (pk_tasks.screened_rows)
+                scratch = max(scratch, int(self.tnum[row[SCR_NORM]]) + 1)
         self.workers = int(config["num_workers"])
         self.schedulers = int(config["num_local_schedulers"])
         self.ids = (program.tokens_id, program.tokens.shape[1], self._step_id(), program.pick_id)

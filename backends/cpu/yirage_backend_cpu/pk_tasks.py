@@ -26,7 +26,15 @@ from numba.extending import overload
 
 from yirage.persistent.control import Ctl, CtlError
 from yirage.persistent.runtime import register_task_bodies
-from yirage.persistent.specs import LAYER_SPECS, FloatCol, IntCol, kind_code, layout_fingerprint
+from yirage.persistent.specs import (
+    LAYER_SPECS,
+    SCREEN_OVERFLOW,
+    SCREEN_UNDERFLOW,
+    FloatCol,
+    IntCol,
+    kind_code,
+    layout_fingerprint,
+)
 from yirage_backend_cpu.atomics import atomic_add, atomic_store
 from yirage_backend_cpu.float_dot import (
     CHUNK,
@@ -258,11 +266,12 @@ SCREEN_LANES = 8
 def screened_rows(screen, x, g, w_addr, w_dtype, bound, out, batch, k, vocab, eps, xs, work, entry, none):
     # type: ignore[no-untyped-def]
     """A screened_logits task (PersistentKernel.screened_logits_layer): per batch row, the exact logits of the rows
-    whose screen score can hold the maximum (``screen[i] + bound[i] * |x|_1 >= max_j screen[j] - bound[j] * |x|_1``,
-    in float64, x the normalized row), -inf for the others. The exact ones come from the projections' own entry
-    point (``entry``, linear_entry) one weight row at a time: the bits rmsnorm_linear gives that row in any batch
-    (its tiles and single rows agree bit for bit, tests/test_float_dot.py). A screen or bound that is not finite
-    is not trusted: the row's logits are then all computed exactly."""
+    whose screen score can hold the maximum (``screen[i] + r_i >= max_j screen[j] - r_j``, in float64, with
+    ``r_i = bound[i] * |x|_1 + k * SCREEN_UNDERFLOW``, x the normalized row), -inf for the others. The exact ones come
+    from the projections' own entry point (``entry``, linear_entry) one weight row at a time: the bits
+    rmsnorm_linear gives that row in any batch (its tiles and single rows agree bit for bit,
+    tests/test_float_dot.py). A screen or bound that is not finite, or an r_i that reaches SCREEN_OVERFLOW, is not
+    trusted: the row's logits are then all computed exactly."""
     for b in range(batch):
         rms_rows(x[b * k:][:k], g, xs, 1, k, eps)
         total = 0.0
@@ -270,32 +279,37 @@ def screened_rows(screen, x, g, w_addr, w_dtype, bound, out, batch, k, vocab, ep
             total += abs(np.float64(xs[i]))
         scores = screen[b * vocab:][:vocab]
         logits = out[b * vocab:][:vocab]
+        tiny = k * SCREEN_UNDERFLOW
         lows = np.full(SCREEN_LANES, -np.inf)  # independent lanes and selects: the loop vectorizes (argmax_row)
+        highs = np.zeros(SCREEN_LANES)  # the largest r
         odd = np.zeros(SCREEN_LANES)  # sums of s - s and r - r: 0, or NaN once a score or bound is not finite
         full = vocab - vocab % SCREEN_LANES
         for i in range(0, full, SCREEN_LANES):
             for j in range(SCREEN_LANES):
                 s = np.float64(scores[i + j])
-                r = np.float64(bound[i + j]) * total
+                r = np.float64(bound[i + j]) * total + tiny
                 v = s - r
                 lows[j] = v if v > lows[j] else lows[j]
+                highs[j] = r if r > highs[j] else highs[j]
                 odd[j] += (s - s) + (r - r)
-        low, check = -np.inf, total - total
+        low, high, check = -np.inf, 0.0, total - total
         for j in range(SCREEN_LANES):
             low = lows[j] if lows[j] > low else low
+            high = highs[j] if highs[j] > high else high
             check += odd[j]
         for i in range(full, vocab):
             s = np.float64(scores[i])
-            r = np.float64(bound[i]) * total
+            r = np.float64(bound[i]) * total + tiny
             low = s - r if s - r > low else low
+            high = r if r > high else high
             check += (s - s) + (r - r)
         logits[:] = -np.inf
-        finite = check == 0.0
+        finite = check == 0.0 and high < SCREEN_OVERFLOW
         if not finite:
             call_linear(entry, xs, 1, k, w_addr, w_dtype, 0, vocab, logits, vocab, none, none, work, 0)
             continue
         for i in range(vocab):
-            if np.float64(scores[i]) + np.float64(bound[i]) * total >= low:
+            if np.float64(scores[i]) + (np.float64(bound[i]) * total + tiny) >= low:
                 call_linear(entry, xs, 1, k, w_addr, w_dtype, i, i + 1, logits, vocab, none, none, work, 0)
 
 
