@@ -52,6 +52,10 @@ def log(*args: Any) -> None:
 
 
 AMX_ENV = "YIRAGE_LLAMA_CPP_AMX"  # 0: build llama.cpp without AMX (where its AMX matmul dies of SIGILL)
+#: a GCC/Clang -march (e.g. skylake-avx512): llama.cpp built for that instruction set instead of this CPU's, cached
+#: apart. With NUMBA_CPU_NAME set to the same CPU for yirage, both peers run an older CPU's instructions on this one's
+#: memory system: how "an Intel machine without AVX-512 BF16" is measured where none is at hand.
+MARCH_ENV = "YIRAGE_LLAMA_CPP_MARCH"
 
 
 def amx_off() -> bool:
@@ -59,20 +63,34 @@ def amx_off() -> bool:
     return os.environ.get(AMX_ENV, "1").strip() == "0"
 
 
+def march() -> str | None:
+    """``$YIRAGE_LLAMA_CPP_MARCH``: the -march llama.cpp is built for (None: this CPU's); a name of letters, digits,
+    '-' and '_' only (it becomes a compiler flag and a directory name)."""
+    value = os.environ.get(MARCH_ENV, "").strip()
+    if not value:
+        return None
+    if not all(c.isalnum() or c in "-_" for c in value):
+        raise LlamaCppError(f"${MARCH_ENV}={value!r} is not a -march name; use e.g. skylake-avx512, or unset it")
+    return value
+
+
 def cmake_flags() -> tuple[str, ...]:
     """``CMAKE_FLAGS``, or with ``amx_off()`` the host's own instruction set without AMX: ``-march=native
     -mno-amx-*`` as the compilers' flags (ggml's native mode appends ``-march=native`` after them, which would
-    turn AMX back on, so it is off, and its default x86 options only repeat what ``-march=native`` holds)."""
-    if not amx_off():
+    turn AMX back on, so it is off, and its default x86 options only repeat what ``-march=native`` holds). With
+    ``march()``, that CPU's instruction set instead (AMX only where that CPU has it)."""
+    target = march()
+    if target is None and not amx_off():
         return CMAKE_FLAGS
-    native = "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    native = f"-march={target}" if target else "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     return (*(f for f in CMAKE_FLAGS if f != "-DGGML_NATIVE=ON"), "-DGGML_NATIVE=OFF",
             f"-DCMAKE_C_FLAGS={native}", f"-DCMAKE_CXX_FLAGS={native}")
 
 
 def cache_dir(version: str = LLAMA_CPP_PYTHON) -> Path:
     """Where the ``llama-bench`` of this llama-cpp-python version lives (created 0700 if missing); a build
-    without AMX (``amx_off``) lives in its own ``-no-amx`` directory."""
+    without AMX (``amx_off``) lives in its own ``-no-amx`` directory, one for another CPU (``march``) in
+    ``-march-<name>``."""
     given = os.environ.get(ENV)
     if given:
         path = Path(given).expanduser().absolute()
@@ -84,7 +102,8 @@ def cache_dir(version: str = LLAMA_CPP_PYTHON) -> Path:
         return path
     from yirage.compiler.cache import private_dir, private_root
 
-    variant = "-no-amx" if amx_off() else ""
+    target = march()
+    variant = f"-march-{target}" if target else "-no-amx" if amx_off() else ""
     return private_dir(private_root() / "llama.cpp" / f"{version}{variant}")
 
 

@@ -299,6 +299,24 @@ def test_llama_cpp_without_amx_is_built_for_this_cpu_minus_amx_and_cached_apart(
     assert peer.cache_dir() != native and peer.cache_dir().name.endswith("-no-amx")
 
 
+def test_llama_cpp_for_another_cpu_is_built_for_it_and_cached_apart(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    import llama_cpp_peer as peer
+
+    monkeypatch.delenv(peer.ENV, raising=False)
+    monkeypatch.setenv("YIRAGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(peer.AMX_ENV, raising=False)
+    native = peer.cache_dir()
+    monkeypatch.setenv(peer.MARCH_ENV, "skylake-avx512")
+    flags = peer.cmake_flags()
+    assert "-DGGML_NATIVE=OFF" in flags and "-DCMAKE_C_FLAGS=-march=skylake-avx512" in flags
+    assert not any("native" in f for f in flags if f.startswith("-DCMAKE_"))
+    assert peer.cache_dir() != native and peer.cache_dir().name.endswith("-march-skylake-avx512")
+    monkeypatch.setenv(peer.MARCH_ENV, "skylake; rm -rf /")
+    with pytest.raises(peer.LlamaCppError, match="not a -march name"):
+        peer.cmake_flags()
+
+
 def test_a_llama_cpp_tool_killed_by_sigill_names_amx_and_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     import llama_cpp_peer as peer
 
