@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from yirage.locks import ForkSafeRLock
 from yirage.models import prefill
 from yirage.models.config import LlamaConfig, ModelError, load_config, resolve_dtype, resolve_kv_dtype
 from yirage.models.decoder import DecoderParts, build_decoder
@@ -42,6 +43,7 @@ class LlamaModel:
         self.cos = self.sin = None
         self.gguf: Any = None  # a GGUFInfo when loaded with from_gguf
         self._screen: tuple[Any, Any] | None = None  # (the LM head's (address, version), head_screen's tensors)
+        self._screen_lock = ForkSafeRLock()
 
     @property
     def device(self) -> Any:
@@ -135,19 +137,20 @@ class LlamaModel:
         head = self.lm_head
         if not isinstance(head, torch.Tensor):
             return None
-        key = (head.data_ptr(), head._version)
-        if self._screen is not None and self._screen[0] == key:
-            return self._screen[1]
-        made, given = bf16_screen(head), None if self._screen is None else self._screen[1]
-        if given is not None:
-            if self._screen[0][0] == key[0] and made is not None and made[0].shape == given[0].shape:
-                given[0].copy_(made[0])
-                given[1].copy_(made[1])
-                made = given
-            else:
-                given[1].fill_(torch.nan)
-        self._screen = (key, made)
-        return made
+        with self._screen_lock:  # decoders of this model run (and call this) under their own kernels' locks
+            key = (head.data_ptr(), head._version)
+            if self._screen is not None and self._screen[0] == key:
+                return self._screen[1]
+            made, given = bf16_screen(head), None if self._screen is None else self._screen[1]
+            if given is not None:
+                if self._screen[0][0] == key[0] and made is not None and made[0].shape == given[0].shape:
+                    given[0].copy_(made[0])
+                    given[1].copy_(made[1])
+                    made = given
+                else:
+                    given[1].fill_(torch.nan)
+            self._screen = (key, made)
+            return made
 
     def build_decoder(self, step: Any, tokens: Any, backend: Any = None, num_workers: int | None = None,
                       num_local_schedulers: int | None = None, eos_token_id: Any = None,
