@@ -130,6 +130,36 @@ def test_blocks_changed_in_place_are_read_again() -> None:
     assert bool(((after.double() - x.double() @ dense.t()).abs() <= bound(x, dense)).all())
 
 
+def test_a_weight_planned_once_is_planned_again_after_an_in_place_change() -> None:
+    """Each weight's parts are worked out on its first call and kept (PromptLinear._plan); a scale made NaN in
+    place afterwards must send the next call to torch's exact path, not to the kept plan's tiles."""
+    gen = torch.Generator().manual_seed(SEED)
+    w = quantize(torch.randn(16, 64, generator=gen), "q8_0")
+    x = torch.randn(3, 64, generator=gen)
+    assert TILES(x, w) is not None
+    w.blocks[3, 0:2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)
+    assert TILES(x, w) is None
+    f = torch.randn(16, 64, generator=gen).bfloat16()
+    before = TILES(x, f)
+    f.mul_(-2)
+    assert torch.equal(TILES(x, f), before * -2)  # the kept plan reads the same buffer, now doubled and negated
+
+
+def test_plans_go_with_their_weights() -> None:
+    import gc
+
+    run = pl.PromptLinear(ALWAYS)
+    gen = torch.Generator().manual_seed(SEED)
+    x = torch.randn(2, 64, generator=gen)
+    weights = [quantize(torch.randn(16, 64, generator=gen), "q4_0"), torch.randn(8, 64, generator=gen).bfloat16()]
+    for w in weights:
+        assert run(x, w) is not None
+    assert len(run._plans) == 2
+    del weights, w
+    gc.collect()
+    assert not run._plans
+
+
 @pytest.mark.parametrize("dtype", ["q8_0", torch.bfloat16], ids=["q8_0", "bf16"])
 def test_a_prefill_through_it_matches_the_torch_prefill(tmp_path, dtype) -> None:
     """The same model and prompt, prefilled with the backend's projections and with torch's: logits within the

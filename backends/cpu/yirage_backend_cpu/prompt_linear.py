@@ -16,7 +16,8 @@ the same way for short prompts (torch's GEMM reads them as they are; on an AMD E
 bfloat16 activations (``InferEngine(prompt_dtype="bfloat16")``, bf16 matrices): native bf16 dot products where the
 CPU has them (bf16_dot); else None (torch's bf16 matmul).
 
-W's rows are split over torch's thread count, the parts run in one parallel region (``linear_parts``). Whether the
+W's rows are split over torch's thread count, the parts run in one parallel region (``linear_parts``); each
+weight's split is worked out on its first call and kept until the weight changes or goes (``Plan``). Whether the
 tiles or torch's dequantize- or widen-then-GEMM run a prompt of M rows is timed once per machine, matrix shape and
 row bucket (prompt_rows: the crossover moved from above 512 to 128-256 rows for Q8_0 between an AMD and an Intel
 machine);
@@ -25,7 +26,9 @@ machine);
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,7 +39,7 @@ from yirage.models.prefill import torch_linear
 from yirage_backend_cpu.bf16_dot import bf16_parts, usable
 from yirage_backend_cpu.kernel_lib import FASTMATH
 from yirage_backend_cpu.pk_entry import compiled
-from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q8_0, Q8_0G, quantized_entry
+from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q8_0, Q8_0G, linear_q_entry
 from yirage_backend_cpu.pk_tasks import BF16, F16, F32, call_linear, linear_entry
 from yirage_backend_cpu.prompt_rows import Fixed, Measured, choice
 from yirage_backend_cpu.quant_group import GROUP
@@ -59,6 +62,22 @@ def linear_parts(xs, m, k, addrs, codes, n0s, n1s, out, n, work, entry, quant): 
         call_linear(entry, xs, m, k, addrs[p], codes[p], n0s[p], n1s[p], out, n, none, none, work[p], quant)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """How the tiles run one weight: its prompt_rows kind and shape, W's rows split into parts over torch's threads
+    (each part's address, format code and rows n0..n1, as numpy columns), whether its format is quantized (then
+    x is split in bytes per part: ``m * k + 64`` floats of work space per part, else 1)."""
+
+    kind: str
+    n: int
+    k: int
+    addrs: np.ndarray
+    codes: np.ndarray
+    n0s: np.ndarray
+    n1s: np.ndarray
+    quantized: bool
+
+
 class PromptLinear:
     """``x @ W.T`` for quantized or 16-bit ``W`` (see the module docstring); None where torch's should run: where
     the tiles cannot read W, or ``rows`` (prompt_rows: timed on this machine by default) says torch's is faster
@@ -66,42 +85,74 @@ class PromptLinear:
 
     def __init__(self, rows: Fixed | Measured | None = None) -> None:
         self._rows = rows  # None: prompt_rows.choice(), YIRAGE_CPU_PROMPT_TILES read per call
+        # (id(source), torch threads) -> [weakref to source, source._version, Plan or None]: a plan per weight,
+        # made on its first call, not per call (40 us of Python a call was 5 ms of a 16-token prompt's 120)
+        self._plans: dict[tuple[int, int], list[Any]] = {}
+        self._lock = threading.Lock()
 
     def __call__(self, x: Any, weight: Any) -> Any:
-        tiles = self._tiles(x, weight)
-        if tiles is None:
-            return None
-        kind, run = tiles
-        n, k = (int(s) for s in weight.shape)
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > 0:  # a rounded prompt (prompt_dtype)
+            if not usable(x, weight):
+                return None
+            run = lambda z: self._bf16(z, weight)  # noqa: E731
+            kind, n, k = "bf16 x", int(weight.shape[0]), int(weight.shape[1])
+        else:
+            if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] == 0:
+                return None
+            plan = self._plan(weight)
+            if plan is None or x.shape[1] != plan.k:
+                return None
+            run = lambda z: self._run(z, plan)  # noqa: E731
+            kind, n, k = plan.kind, plan.n, plan.k
         rows = self._rows or choice()
         if not rows.tiles(kind, n, k, x.shape[0], run, lambda z: torch_linear(z, weight), x.dtype):
             return None
         return run(x)
 
-    def _tiles(self, x: Any, weight: Any) -> tuple[str, Callable[[Any], Any]] | None:
-        """(prompt_rows kind, the tiles' projection of an x like this one) where the tiles can read ``weight``
-        under ``x``, else None."""
+    def _plan(self, weight: Any) -> Plan | None:
+        """``weight``'s Plan (None: the tiles cannot read it), made once per weight, thread count and in-place
+        change (the torch version of the tensor the tiles read: a Q8_0 / Q4_0 matrix's blocks)."""
         from yirage.quant import QuantizedTensor
 
-        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > 0:  # a rounded prompt (prompt_dtype)
-            return ("bf16 x", lambda z: self._bf16(z, weight)) if usable(x, weight) else None
-        if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] == 0:
+        source = weight.blocks if isinstance(weight, QuantizedTensor) else weight
+        if not isinstance(source, torch.Tensor):
             return None
+        key = (id(source), torch.get_num_threads())
+        with self._lock:
+            entry = self._plans.get(key)
+        if entry is not None and entry[0]() is source and entry[1] == source._version:
+            return entry[2]
+        plan = self._make_plan(weight)
+        with self._lock:
+            if not self._plans.get(key) or self._plans[key][0]() is not source:
+                weakref.finalize(source, self._forget, key)
+            self._plans[key] = [weakref.ref(source), source._version, plan]
+        return plan
+
+    def _forget(self, key: tuple[int, int]) -> None:
+        with self._lock:
+            entry = self._plans.get(key)
+            if entry is not None and entry[0]() is None:
+                del self._plans[key]
+
+    def _make_plan(self, weight: Any) -> Plan | None:
+        from yirage.quant import QuantizedTensor
+
         if isinstance(weight, QuantizedTensor):
-            return self._quantized(x, weight)
-        if (isinstance(weight, torch.Tensor) and weight.dtype in FLOAT_KINDS and weight.device.type == "cpu"
-                and weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.is_contiguous()):
-            n = weight.shape[0]
+            return self._quantized(weight)
+        if (weight.dtype in FLOAT_KINDS and weight.device.type == "cpu" and weight.dim() == 2
+                and weight.is_contiguous()):
+            n, k = (int(s) for s in weight.shape)
             parts = [(weight.data_ptr(), FLOAT_CODES[weight.dtype], n0, n1) for n0, n1 in self._parts(n, 2)]
-            return FLOAT_KINDS[weight.dtype], lambda z: self._run(z, n, parts, 1)
+            return Plan(FLOAT_KINDS[weight.dtype], n, k, *_columns(parts), quantized=False)
         return None
 
-    def _quantized(self, x: Any, weight: Any) -> tuple[str, Callable[[Any], Any]] | None:
+    def _quantized(self, weight: Any) -> Plan | None:
         if weight.format not in ("q8_0", "q4_0"):
             return None
         blocks = weight.blocks
         n, k = (int(s) for s in weight.shape)
-        if blocks.device.type != "cpu" or x.shape[1] != k or n % GROUP or not blocks.is_contiguous():
+        if blocks.device.type != "cpu" or n % GROUP or not blocks.is_contiguous():
             return None
         code = block_code(blocks, weight.format)
         if code not in (Q8_0, Q4_0):  # non-finite scales: the exact row path, for torch's specials
@@ -109,7 +160,7 @@ class PromptLinear:
         groups = grouped(blocks, n, code == Q8_0)
         gcode = Q8_0G if code == Q8_0 else Q4_0G
         parts = [(groups.data_ptr(), gcode, n0, n1) for n0, n1 in self._parts(n, GROUP)]
-        return weight.format, lambda z: self._run(z, n, parts, z.shape[0] * k + 64)  # x split in bytes per part
+        return Plan(weight.format, n, k, *_columns(parts), quantized=True)
 
     def _bf16(self, x: Any, weight: Any) -> Any:
         """bf16 x @ bf16 W.T by native bf16 dot products (bf16_dot), float32 (M, N); W's rows split in pairs over
@@ -122,17 +173,18 @@ class PromptLinear:
         return torch.from_numpy(out).view(m, n)
 
     @staticmethod
-    def _run(x: Any, n: int, parts: list[tuple[int, int, int, int]], work: int) -> Any:
-        """``linear_parts`` over the parts (address, code, n0, n1) of W's rows, ``work`` floats of work space
-        each; (M, N) float32. W's buffers outlive the call (the caller holds them)."""
+    def _run(x: Any, plan: Plan) -> Any:
+        """``linear_parts`` over the plan's parts of W's rows; (M, N) float32. W's buffers outlive the call (the
+        caller holds them)."""
         m, k = x.shape
         xs = x.detach().contiguous().numpy().reshape(-1)
-        out = np.empty(m * n, np.float32)
-        addrs, codes, n0s, n1s = (np.array(column, np.int64) for column in zip(*parts, strict=True))
-        work_space = np.empty((len(parts), work), np.float32)
-        entry, quant = int(compiled(linear_entry).address), quantized_entry(codes)
-        guard(lambda _: linear_parts(xs, m, k, addrs, codes, n0s, n1s, out, n, work_space, entry, quant))(None)
-        return torch.from_numpy(out).view(m, n)
+        out = np.empty(m * plan.n, np.float32)
+        work_space = np.empty((plan.addrs.shape[0], m * k + 64 if plan.quantized else 1), np.float32)
+        entry = int(compiled(linear_entry).address)
+        quant = int(compiled(linear_q_entry).address) if plan.quantized else 0
+        guard(lambda _: linear_parts(xs, m, k, plan.addrs, plan.codes, plan.n0s, plan.n1s, out, plan.n, work_space,
+                                     entry, quant))(None)
+        return torch.from_numpy(out).view(m, plan.n)
 
     @staticmethod
     def _parts(n: int, align: int) -> list[tuple[int, int]]:
@@ -140,6 +192,11 @@ class PromptLinear:
         threads = max(1, min(torch.get_num_threads(), n // align))
         cuts = [(n // align) * i // threads * align for i in range(threads)] + [n]
         return [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+
+
+def _columns(parts: list[tuple[int, int, int, int]]) -> tuple[np.ndarray, ...]:
+    """The parts' (address, code, n0, n1) as four int64 columns."""
+    return tuple(np.array(column, np.int64) for column in zip(*parts, strict=True))
 
 
 _SHARED = PromptLinear()  # one per process
