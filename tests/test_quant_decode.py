@@ -332,6 +332,28 @@ def test_blocks_changed_in_place_between_runs_reach_the_decode(zoo) -> None:
     assert torch.equal(after.logits, want.logits)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_quantized_model_never_compiles_the_float_tiles(fmt, zoo) -> None:
+    """pk_tasks.call_linear hands Q8_0 / Q4_0 blocks to linear_q_entry itself, so a decode whose every matrix is
+    quantized leaves linear_entry (the float tiles: 4-5 s of a cold start on 2 cores) out; with one float matrix
+    (here the LM head) it gets it. Both decode to the oracle's tokens: a float matrix left without its entry point
+    would give NaN rows."""
+    need_cpu()
+    from yirage_backend_cpu.pk_entry import LINEAR_ENTRY
+
+    model = zoo("llama-gqa")
+    oracle = quantized_oracle(model, fmt)
+    for float_head in (False, True):
+        engine = InferEngine(model.path, backend="cpu", dtype=fmt)
+        if float_head:
+            engine.model.lm_head = engine.model.lm_head.dequantize()
+            oracle.lm_head.weight.data.copy_(engine.model.lm_head)
+        result = engine.generate(model.reference.ids, greedy())
+        (decoder,) = engine._decoders.values()
+        assert (decoder.runtime.entries[LINEAR_ENTRY] != 0) == float_head
+        assert_decode_matches(reference_generate(oracle, model.reference.ids), result.tokens, result.logits)
+
+
 def test_quantized_gguf_files_round_trip_exactly(tmp_path, zoo) -> None:
     """A Q8_0 / Q4_0 GGUF read with dtype='q8_0' / 'q4_0' keeps the file's values: re-quantizing them is lossless."""
     from yirage.models.gguf_export import export_gguf

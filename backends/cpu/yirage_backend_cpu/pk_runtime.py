@@ -91,6 +91,7 @@ from yirage_backend_cpu.pk_tasks import (
     F16,
     F32,
     I64,
+    LINEAR_WEIGHTS,
     OPTS,
     RUNTIME_COLUMNS,
     SAMPLE,
@@ -451,16 +452,22 @@ class CPUPersistentRuntime:
         return (any(is_quantized.py_func(int(c)) for c in self.tdt), any(c != F32 for c in attention),
                 any(c == F32 for c in attention), any(row[C_KIND] == SAMPLE for row in self.lp))
 
+    def _float_matrices(self) -> bool:
+        """Whether a task multiplies a float32 / bf16 / f16 matrix (the float tiles, linear_entry), not only Q8_0 /
+        Q4_0 blocks (linear_q_entry, which call_linear reaches directly)."""
+        return any(not is_quantized.py_func(int(self.tdt[row[col]])) for row in self.lp
+                   for kind, col in LINEAR_WEIGHTS if row[C_KIND] == kind)
+
     def _entries(self) -> np.ndarray:
         """The addresses of the task bodies compiled apart (pk_entry.ENTRY_COUNT), each compiled now if this
-        program needs it (the projections; quantized matrices; attention over 16-bit or float32 caches; a sampling
-        picker), else 0. Worked out on the first run and kept: a generation stepped one token per call runs this
-        once, not per token."""
+        program needs it (the float projections; quantized ones; attention over 16-bit or float32 caches; a
+        sampling picker), else 0. Worked out on the first run and kept: a generation stepped one token per call
+        runs this once, not per token."""
         if self.entries is not None:
             return self.entries
         quant, narrow, wide, samples = self._needs()
         entries = np.zeros(ENTRY_COUNT, np.int64)
-        entries[LINEAR_ENTRY] = int(compiled(linear_entry).address)
+        entries[LINEAR_ENTRY] = int(compiled(linear_entry).address) if self._float_matrices() else 0
         entries[QUANT_ENTRY] = quantized_entry(self.tdt)
         entries[NARROW_ATTENTION_ENTRY] = int(compiled(narrow_attention_entry).address) if narrow else 0
         entries[FLOAT_ATTENTION_ENTRY] = int(compiled(float_attention_entry).address) if wide else 0

@@ -321,14 +321,27 @@ def linear(xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias, work
     rows come out NaN rather than a call to address 0)."""
     if w_dtype == F32 or w_dtype == BF16 or w_dtype == F16:
         linear_float(xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias)
-    elif quant != 0:  # Q8_0 / Q4_0 blocks (pk_quant.is_quantized)
-        call_c(quant, (xs.ctypes.data, batch, k, w_addr, w_dtype, n0, n1, out.ctypes.data, out.shape[0], out_cols,
-                       res.ctypes.data, res.shape[0], bias.ctypes.data, bias.shape[0], work.ctypes.data,
-                       work.shape[0]))
     else:
-        for b in range(batch):
-            for n in range(n0, n1):
-                out[b * out_cols + n] = np.float32(np.nan)
+        call_quantized(quant, xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias, work)
+
+
+@njit(inline="always", **OPTS)
+def call_quantized(quant, xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias, work):
+    # type: ignore[no-untyped-def]
+    """Rows n0..n1 of x @ W.T for Q8_0 / Q4_0 blocks (pk_quant.is_quantized) through ``quant``, linear_q_entry's
+    address (0: none compiled; the rows come out NaN rather than a call to address 0)."""
+    if quant == 0:
+        nan_rows(out, out_cols, batch, n0, n1)
+        return
+    call_c(quant, (xs.ctypes.data, batch, k, w_addr, w_dtype, n0, n1, out.ctypes.data, out.shape[0], out_cols,
+                   res.ctypes.data, res.shape[0], bias.ctypes.data, bias.shape[0], work.ctypes.data, work.shape[0]))
+
+
+@njit(inline="always", **OPTS)
+def nan_rows(out, out_cols, batch, n0, n1):  # type: ignore[no-untyped-def]
+    for b in range(batch):
+        for n in range(n0, n1):
+            out[b * out_cols + n] = np.float32(np.nan)
 
 
 def _linear_c(x, x_len, batch, k, w_addr, w_dtype, n0, n1, out, out_len, out_cols, res, res_len, bias, bias_len, work,
@@ -338,19 +351,25 @@ def _linear_c(x, x_len, batch, k, w_addr, w_dtype, n0, n1, out, out_len, out_col
 
 
 # linear behind a C entry point (pk_entry.LINEAR_ENTRY): its tiles are compiled once, not into execute and again
-# into the prompt's projections (prompt_linear); on a cold cache that was 4 of execute's 11 s of compile
+# into the prompt's projections (prompt_linear); on a cold cache that was 4 of execute's 11 s of compile. Only
+# models with a float matrix compile it: call_linear hands Q8_0 / Q4_0 matrices to linear_q_entry itself
 linear_entry = task_entry(_linear_c, types.void(*(types.int64,) * 18))
+
+#: (task kind, its weight's column): the matrices execute's tasks multiply through call_linear
+LINEAR_WEIGHTS = ((RMSLIN, RMS_W), (LINRES, LIN_W), (SILURES, SILU_W), (SCREEN, SCR_W))
 
 
 @njit(inline="always", **OPTS)
 def call_linear(entry, xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias, work, quant):
     # type: ignore[no-untyped-def]
-    """``linear(...)`` through ``linear_entry``'s address ``entry`` (0: none compiled; the rows come out NaN rather
-    than a call to address 0)."""
+    """``linear(...)``: a float matrix through ``linear_entry``'s address ``entry``, Q8_0 / Q4_0 blocks straight
+    through linear_q_entry's, ``quant`` (either 0: none compiled; the rows come out NaN rather than a call to
+    address 0). So a quantized model never compiles the float tiles: 4-5 s of its cold start on 2 cores."""
+    if is_quantized(w_dtype):
+        call_quantized(quant, xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias, work)
+        return
     if entry == 0:
-        for b in range(batch):
-            for n in range(n0, n1):
-                out[b * out_cols + n] = np.float32(np.nan)
+        nan_rows(out, out_cols, batch, n0, n1)
         return
     call_c(entry, (xs.ctypes.data, xs.shape[0], batch, k, w_addr, w_dtype, n0, n1, out.ctypes.data, out.shape[0],
                    out_cols, res.ctypes.data, res.shape[0], bias.ctypes.data, bias.shape[0], work.ctypes.data,

@@ -180,7 +180,9 @@ class PromptLinear:
         xs = x.detach().contiguous().numpy().reshape(-1)
         out = np.empty(m * plan.n, np.float32)
         work_space = np.empty((plan.addrs.shape[0], m * k + 64 if plan.quantized else 1), np.float32)
-        entry = int(compiled(linear_entry).address)
+        # one of the two entry points (call_linear takes Q8_0 / Q4_0 blocks to linear_q_entry itself): a quantized
+        # model never compiles the float tiles
+        entry = int(compiled(linear_entry).address) if not plan.quantized else 0
         quant = int(compiled(linear_q_entry).address) if plan.quantized else 0
         guard(lambda _: linear_parts(xs, m, k, plan.addrs, plan.codes, plan.n0s, plan.n1s, out, plan.n, work_space,
                                      entry, quant))(None)
