@@ -334,12 +334,12 @@ def test_blocks_changed_in_place_between_runs_reach_the_decode(zoo) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_quantized_model_never_compiles_the_float_tiles(fmt, zoo) -> None:
-    """pk_tasks.call_linear hands Q8_0 / Q4_0 blocks to linear_q_entry itself, so a decode whose every matrix is
-    quantized leaves linear_entry (the float tiles: 4-5 s of a cold start on 2 cores) out; with one float matrix
-    (here the LM head) it gets it. Both decode to the oracle's tokens: a float matrix left without its entry point
-    would give NaN rows."""
+    """A decode whose every matrix is quantized runs its projections through pk_tasks.linear_blocks_entry, never
+    linear_entry (the float tiles: 4-5 s of a cold start on 2 cores); with one float matrix (here the LM head) it
+    gets linear_entry. Both decode to the oracle's tokens: a float matrix given the blocks' entry gives NaN rows."""
     need_cpu()
     from yirage_backend_cpu.pk_entry import LINEAR_ENTRY
+    from yirage_backend_cpu.pk_tasks import linear_blocks_entry, linear_entry
 
     model = zoo("llama-gqa")
     oracle = quantized_oracle(model, fmt)
@@ -350,7 +350,8 @@ def test_a_quantized_model_never_compiles_the_float_tiles(fmt, zoo) -> None:
             oracle.lm_head.weight.data.copy_(engine.model.lm_head)
         result = engine.generate(model.reference.ids, greedy())
         (decoder,) = engine._decoders.values()
-        assert (decoder.runtime.entries[LINEAR_ENTRY] != 0) == float_head
+        want = linear_entry if float_head else linear_blocks_entry
+        assert decoder.runtime.entries[LINEAR_ENTRY] == want.address
         assert_decode_matches(reference_generate(oracle, model.reference.ids), result.tokens, result.logits)
 
 

@@ -103,6 +103,7 @@ from yirage_backend_cpu.pk_tasks import (
     execute_entry,
     float_attention_entry,
     i64s,
+    linear_blocks_entry,
     linear_entry,
     narrow_attention_entry,
     pick_rows,
@@ -454,7 +455,7 @@ class CPUPersistentRuntime:
 
     def _float_matrices(self) -> bool:
         """Whether a task multiplies a float32 / bf16 / f16 matrix (the float tiles, linear_entry), not only Q8_0 /
-        Q4_0 blocks (linear_q_entry, which call_linear reaches directly)."""
+        Q4_0 blocks (linear_blocks_entry, without them)."""
         return any(not is_quantized.py_func(int(self.tdt[row[col]])) for row in self.lp
                    for kind, col in LINEAR_WEIGHTS if row[C_KIND] == kind)
 
@@ -467,7 +468,7 @@ class CPUPersistentRuntime:
             return self.entries
         quant, narrow, wide, samples = self._needs()
         entries = np.zeros(ENTRY_COUNT, np.int64)
-        entries[LINEAR_ENTRY] = int(compiled(linear_entry).address) if self._float_matrices() else 0
+        entries[LINEAR_ENTRY] = int(compiled(linear_entry if self._float_matrices() else linear_blocks_entry).address)
         entries[QUANT_ENTRY] = quantized_entry(self.tdt)
         entries[NARROW_ATTENTION_ENTRY] = int(compiled(narrow_attention_entry).address) if narrow else 0
         entries[FLOAT_ATTENTION_ENTRY] = int(compiled(float_attention_entry).address) if wide else 0

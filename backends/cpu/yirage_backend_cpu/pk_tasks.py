@@ -351,9 +351,23 @@ def _linear_c(x, x_len, batch, k, w_addr, w_dtype, n0, n1, out, out_len, out_col
 
 
 # linear behind a C entry point (pk_entry.LINEAR_ENTRY): its tiles are compiled once, not into execute and again
-# into the prompt's projections (prompt_linear); on a cold cache that was 4 of execute's 11 s of compile. Only
-# models with a float matrix compile it: call_linear hands Q8_0 / Q4_0 matrices to linear_q_entry itself
+# into the prompt's projections (prompt_linear); on a cold cache that was 4 of execute's 11 s of compile
 linear_entry = task_entry(_linear_c, types.void(*(types.int64,) * 18))
+
+
+def _linear_blocks_c(x, x_len, batch, k, w_addr, w_dtype, n0, n1, out, out_len, out_cols, res, res_len, bias, bias_len,
+                     work, work_len, quant):  # type: ignore[no-untyped-def]
+    if is_quantized(w_dtype):
+        call_quantized(quant, f32s(x, x_len), batch, k, w_addr, w_dtype, n0, n1, f32s(out, out_len), out_cols,
+                       f32s(res, res_len), f32s(bias, bias_len), f32s(work, work_len))
+    else:  # a float matrix needs linear_entry's tiles: NaN rows rather than its bytes read as blocks
+        nan_rows(f32s(out, out_len), out_cols, batch, n0, n1)
+
+
+# linear_entry's Q8_0 / Q4_0 half alone, with its signature: the LINEAR_ENTRY of a model whose matrices are all
+# quantized, so that it never compiles the float tiles (4-5 s of its cold start on 2 cores), while execute and the
+# prompt's projections call the one entry point as before
+linear_blocks_entry = task_entry(_linear_blocks_c, types.void(*(types.int64,) * 18))
 
 #: (task kind, its weight's column): the matrices execute's tasks multiply through call_linear
 LINEAR_WEIGHTS = ((RMSLIN, RMS_W), (LINRES, LIN_W), (SILURES, SILU_W), (SCREEN, SCR_W))
@@ -362,12 +376,8 @@ LINEAR_WEIGHTS = ((RMSLIN, RMS_W), (LINRES, LIN_W), (SILURES, SILU_W), (SCREEN, 
 @njit(inline="always", **OPTS)
 def call_linear(entry, xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias, work, quant):
     # type: ignore[no-untyped-def]
-    """``linear(...)``: a float matrix through ``linear_entry``'s address ``entry``, Q8_0 / Q4_0 blocks straight
-    through linear_q_entry's, ``quant`` (either 0: none compiled; the rows come out NaN rather than a call to
-    address 0). So a quantized model never compiles the float tiles: 4-5 s of its cold start on 2 cores."""
-    if is_quantized(w_dtype):
-        call_quantized(quant, xs, batch, k, w_addr, w_dtype, n0, n1, out, out_cols, res, bias, work)
-        return
+    """``linear(...)`` through ``linear_entry``'s address ``entry`` (or ``linear_blocks_entry``'s, for Q8_0 / Q4_0
+    blocks only; 0: none compiled; the rows come out NaN rather than a call to address 0)."""
     if entry == 0:
         nan_rows(out, out_cols, batch, n0, n1)
         return

@@ -40,7 +40,7 @@ from yirage_backend_cpu.bf16_dot import bf16_parts, usable
 from yirage_backend_cpu.kernel_lib import FASTMATH
 from yirage_backend_cpu.pk_entry import compiled
 from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q8_0, Q8_0G, linear_q_entry
-from yirage_backend_cpu.pk_tasks import BF16, F16, F32, call_linear, linear_entry
+from yirage_backend_cpu.pk_tasks import BF16, F16, F32, call_linear, linear_blocks_entry, linear_entry
 from yirage_backend_cpu.prompt_rows import Fixed, Measured, choice
 from yirage_backend_cpu.quant_group import GROUP
 from yirage_backend_cpu.repacked import block_code, grouped
@@ -180,9 +180,8 @@ class PromptLinear:
         xs = x.detach().contiguous().numpy().reshape(-1)
         out = np.empty(m * plan.n, np.float32)
         work_space = np.empty((plan.addrs.shape[0], m * k + 64 if plan.quantized else 1), np.float32)
-        # one of the two entry points (call_linear takes Q8_0 / Q4_0 blocks to linear_q_entry itself): a quantized
-        # model never compiles the float tiles
-        entry = int(compiled(linear_entry).address) if not plan.quantized else 0
+        # Q8_0 / Q4_0 blocks through linear_entry's quantized half alone: a quantized model never compiles the tiles
+        entry = int(compiled(linear_blocks_entry if plan.quantized else linear_entry).address)
         quant = int(compiled(linear_q_entry).address) if plan.quantized else 0
         guard(lambda _: linear_parts(xs, m, k, plan.addrs, plan.codes, plan.n0s, plan.n1s, out, plan.n, work_space,
                                      entry, quant))(None)
