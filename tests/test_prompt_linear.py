@@ -143,6 +143,8 @@ def test_a_weight_planned_once_is_planned_again_after_an_in_place_change() -> No
     before = TILES(x, f)
     f.mul_(-2)
     assert torch.equal(TILES(x, f), before * -2)  # the kept plan reads the same buffer, now doubled and negated
+    f.data = torch.randn(40, 64, generator=gen).bfloat16()  # new storage and shape, and no version change
+    assert torch.equal(TILES(x, f), pl.PromptLinear(ALWAYS)(x, f))  # planned anew: not the freed 16-row buffer
 
 
 def test_plans_go_with_their_weights() -> None:

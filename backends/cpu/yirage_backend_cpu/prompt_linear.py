@@ -85,8 +85,8 @@ class PromptLinear:
 
     def __init__(self, rows: Fixed | Measured | None = None) -> None:
         self._rows = rows  # None: prompt_rows.choice(), YIRAGE_CPU_PROMPT_TILES read per call
-        # (id(source), torch threads) -> [weakref to source, source._version, Plan or None]: a plan per weight,
-        # made on its first call, not per call (40 us of Python a call was 5 ms of a 16-token prompt's 120)
+        # (id(source), torch threads) -> [weakref to source, its storage's stamp (_stamp), Plan or None]: a plan per
+        # weight, made on its first call, not per call (25-40 us of Python a call, 120 calls in a prompt)
         self._plans: dict[tuple[int, int], list[Any]] = {}
         self._lock = threading.Lock()
 
@@ -110,8 +110,10 @@ class PromptLinear:
         return run(x)
 
     def _plan(self, weight: Any) -> Plan | None:
-        """``weight``'s Plan (None: the tiles cannot read it), made once per weight, thread count and in-place
-        change (the torch version of the tensor the tiles read: a Q8_0 / Q4_0 matrix's blocks)."""
+        """``weight``'s Plan (None: the tiles cannot read it), made once per weight and thread count, and again
+        when the tensor the tiles read (a Q8_0 / Q4_0 matrix's blocks) changes: in place (its torch version), or
+        its storage, shape or layout (``.data = ...`` moves no version): a plan never hands compiled code the
+        address of a buffer the tensor no longer holds."""
         from yirage.quant import QuantizedTensor
 
         source = weight.blocks if isinstance(weight, QuantizedTensor) else weight
@@ -120,13 +122,14 @@ class PromptLinear:
         key = (id(source), torch.get_num_threads())
         with self._lock:
             entry = self._plans.get(key)
-        if entry is not None and entry[0]() is source and entry[1] == source._version:
+        stamp = _stamp(source)
+        if entry is not None and entry[0]() is source and entry[1] == stamp:
             return entry[2]
         plan = self._make_plan(weight)
         with self._lock:
             if not self._plans.get(key) or self._plans[key][0]() is not source:
                 weakref.finalize(source, self._forget, key)
-            self._plans[key] = [weakref.ref(source), source._version, plan]
+            self._plans[key] = [weakref.ref(source), stamp, plan]
         return plan
 
     def _forget(self, key: tuple[int, int]) -> None:
@@ -193,6 +196,11 @@ class PromptLinear:
         threads = max(1, min(torch.get_num_threads(), n // align))
         cuts = [(n // align) * i // threads * align for i in range(threads)] + [n]
         return [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+
+
+def _stamp(t: Any) -> tuple[Any, ...]:
+    """What a Plan of tensor ``t`` depends on: its version, storage address, shape and strides."""
+    return t._version, t.data_ptr(), tuple(t.shape), t.stride()
 
 
 def _columns(parts: list[tuple[int, int, int, int]]) -> tuple[np.ndarray, ...]:
