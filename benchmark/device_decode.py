@@ -169,7 +169,7 @@ def yirage_run(path: Path, backend: str, ids: Any, rounds: int, profile: Path | 
     generate compiles: untimed)."""
     from yirage.engine import GenerationConfig, InferEngine
 
-    engine = InferEngine(path, backend=backend)
+    engine = InferEngine(path, eager_start=False, backend=backend)
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_id=(), **(SAMPLING | {"seed": 1} if sample else {}))
     start = time.perf_counter()
     first = engine.generate(ids, config)

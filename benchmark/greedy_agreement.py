@@ -70,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.model_path).expanduser() if args.model_path else smollm2_gguf()
     oracle = hf_model(path, torch.bfloat16).eval()
     own_bf16 = None if args.no_hf_bf16 else hf_model(path, None).to(torch.bfloat16).eval()
-    engines = {COLUMNS[0]: InferEngine(path, backend="cpu", dtype=torch.bfloat16),
-               COLUMNS[1]: InferEngine(path, backend="cpu", dtype=torch.bfloat16, prompt_dtype="bfloat16")}
+    engines = {COLUMNS[0]: InferEngine(path, eager_start=False, backend="cpu", dtype=torch.bfloat16),
+               COLUMNS[1]: InferEngine(path, eager_start=False, backend="cpu", dtype=torch.bfloat16,
+                                       prompt_dtype="bfloat16")}
     eos = engines[COLUMNS[0]].config.eos_token_id
     eos = eos[0] if isinstance(eos, (list, tuple)) else eos
     rows, totals = [], dict.fromkeys(COLUMNS[:3 if own_bf16 is not None else 2], 0)

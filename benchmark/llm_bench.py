@@ -208,7 +208,7 @@ def load_engine(args: argparse.Namespace, model_path: Path) -> Any:
     from yirage.engine import InferEngine
 
     dtype = getattr(torch, TORCH_DTYPES[args.dtype]) if args.dtype in TORCH_DTYPES else args.dtype
-    return InferEngine(model_path, backend=args.backend, dtype=dtype, kv_cache_dtype=args.kv_dtype,
+    return InferEngine(model_path, eager_start=False, backend=args.backend, dtype=dtype, kv_cache_dtype=args.kv_dtype,
                        prompt_dtype=args.prompt_dtype)
 
 

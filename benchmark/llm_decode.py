@@ -232,8 +232,8 @@ def hf_run(model: Any, ids: torch.Tensor, tokens: int) -> float:
 def peers_for(model: Model, dtype: str, args: argparse.Namespace, workdir: Path) -> dict[str, Callable[[], float]]:
     peers: dict[str, Callable[[], float]] = {}
     for kv in args.kv_dtypes:
-        engine = InferEngine(model.path, backend="cpu", dtype=DTYPES[dtype],  # q8_0 / q4_0: quantized on load
-                             kv_cache_dtype=kv)
+        engine = InferEngine(model.path, eager_start=False, backend="cpu", dtype=DTYPES[dtype],  # q8_0 / q4_0:
+                             kv_cache_dtype=kv)  # quantized on load
         yirage_run(engine, model.ids, 4)  # JIT / cache load
         peers[yirage_peer(kv)] = lambda engine=engine: yirage_run(engine, model.ids, args.tokens)
         if args.one_pass_head:  # the same engine, its greedy LM head read in one pass (yirage.models.head_screen)
@@ -310,7 +310,8 @@ def greedy_agreement(model: Model, tokens: int, dtype: str = "f32") -> float:
 
     q8_0 / q4_0: transformers runs on the weights quantized and dequantized by the gguf package (what yirage
     keeps as blocks), the issue's reference; other dtypes compare with the f32 weights."""
-    ours = InferEngine(model.path, backend="cpu", dtype=DTYPES[dtype] if dtype in QUANT else None).generate(
+    ours = InferEngine(model.path, eager_start=False, backend="cpu",
+                       dtype=DTYPES[dtype] if dtype in QUANT else None).generate(
         model.ids, GenerationConfig(max_new_tokens=tokens, eos_token_id=())).tokens[0].tolist()
     oracle = model.hf
     if dtype in QUANT:
@@ -334,13 +335,14 @@ def sweep(model: Model, tokens: int) -> dict[str, float]:
     """tokens/s of yirage f32 per (num_workers, num_local_schedulers) asked for, and per tasks_per_layer."""
     out = {}
     for workers, schedulers in ((1, 0), (2, 0), (1, 1), (2, 1), (4, 0)):
-        engine = InferEngine(model.path, backend="cpu", num_workers=workers, num_local_schedulers=schedulers)
+        engine = InferEngine(model.path, eager_start=False, backend="cpu", num_workers=workers,
+                             num_local_schedulers=schedulers)
         yirage_run(engine, model.ids, 4)
         ms = statistics.median(yirage_run(engine, model.ids, tokens) for _ in range(2))
         _, ran_w, ran_s = next(iter(engine._decoders.values())).runtime.effective()
         out[f"asked {workers}+{schedulers}, ran {ran_w} workers + {ran_s} schedulers"] = 1e3 / ms
     for tasks in (2, 4, 8, 16):
-        engine = InferEngine(model.path, backend="cpu", tasks_per_layer=tasks)
+        engine = InferEngine(model.path, eager_start=False, backend="cpu", tasks_per_layer=tasks)
         yirage_run(engine, model.ids, 4)
         ms = statistics.median(yirage_run(engine, model.ids, tokens) for _ in range(2))
         out[f"tasks_per_layer={tasks} (LM head {2 * tasks})"] = 1e3 / ms
@@ -350,7 +352,7 @@ def sweep(model: Model, tokens: int) -> dict[str, float]:
 def profile_breakdown(model: Model) -> dict[str, float]:
     """Per-layer-kind task time (µs, summed over tasks) of one f32 decode step, from the profiler tensor (the
     engine's greedy decoder: its LM head screened, yirage.models.head_screen)."""
-    engine = InferEngine(model.path, backend="cpu")
+    engine = InferEngine(model.path, eager_start=False, backend="cpu")
     engine.generate(model.ids, GenerationConfig(max_new_tokens=2, eos_token_id=()))
     pk = engine.model.build_decoder(engine._step, engine._tokens, backend="cpu", screen=True,
                                     profiler_tensor=torch.zeros(3 * 16384, dtype=torch.int64))

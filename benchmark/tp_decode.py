@@ -54,7 +54,7 @@ def worker(args: argparse.Namespace) -> None:
     from yirage.engine import GenerationConfig, InferEngine
 
     tp = args.worker_tp
-    engine = InferEngine(args.model_path, backend="cpu", dtype=args.dtype, tp=tp if tp > 1 else None,
+    engine = InferEngine(args.model_path, eager_start=False, backend="cpu", dtype=args.dtype, tp=tp if tp > 1 else None,
                          num_workers=args.num_workers)
     ids = torch.randint(0, engine.config.vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     gen = GenerationConfig(max_new_tokens=args.new_tokens, eos_token_id=())

@@ -21,6 +21,10 @@ _counter = itertools.count()
 # (a rank left timing under the others' load took another path than the single-rank reference and failed 1e-4 of the
 # logit range). tests/test_prompt_rows.py times them on purpose.
 os.environ["YIRAGE_CPU_PROMPT_TILES"] = "fixed"
+# A generate waits for its backend's compile, as each test expects of the runtime it names: with the eager start (the
+# users' default) a test run on a cold cache (CI's) would decode its first steps in torch instead of the runtime under
+# test, and a prompt's projections in torch. tests/test_eager_start.py turns it on.
+os.environ["YIRAGE_EAGER_START"] = "0"
 
 BACKEND_TEMPLATE = '''
 import yirage

@@ -48,12 +48,14 @@ def test_entries_the_child_compiled_are_loaded_here_from_its_cache(cold) -> None
     first, second = cold
     ahead = pk_entry.compile_ahead([first, second])
     assert ahead is not None
+    assert pk_entry.pending(first) and pk_entry.pending(second)  # its interpreter is still starting
     assert pk_entry.compile_ahead([first, second]) is None  # both are on their way: nothing more to start
     until(lambda: len(ahead.started) == 1)
     entry = pk_entry.compiled(first)  # started by the child: waited for
     assert entry._cache_hits == 1, "loaded from the child's cache, not compiled here"
     assert answer(entry) == 42
     until(lambda: ahead.ended)
+    assert not pk_entry.pending(second)  # done: a caller that must not wait may load it now
     assert ahead.process.returncode == 0 and pk_entry.compiled(second)._cache_hits == 1 and answer(second) == 43
     assert pk_entry.compile_ahead([first, second]) is None  # compiled now: nothing to start
 

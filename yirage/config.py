@@ -11,7 +11,8 @@ not a regular file (a FIFO would block ``open`` forever) is refused before it is
 
 Also reads ``YIRAGE_PROBE_TIMEOUT``: how many seconds one plugin's import and
 one backend's probe may take before yirage gives up on it (default 20), so a
-plugin that hangs cannot hang discovery or selection.
+plugin that hangs cannot hang discovery or selection; and ``YIRAGE_EAGER_START``
+(``eager_start``).
 """
 
 from __future__ import annotations
@@ -236,3 +237,19 @@ def save(**values: Any) -> Path:
             f"cannot write the yirage settings file {path}: {exc}; point YIRAGE_CONFIG_DIR elsewhere"
         ) from exc
     return path
+
+
+#: ``YIRAGE_EAGER_START=0``: a generate waits for its backend's compile instead of decoding its first steps in
+#: torch meanwhile (``InferEngine(eager_start=...)``); also the default of a backend's prompt projections, which
+#: then run torch's GEMM while their own code compiles instead of waiting for it
+EAGER_START_ENV = "YIRAGE_EAGER_START"
+
+
+def eager_start(environ: Mapping[str, str] | None = None) -> bool:
+    """``YIRAGE_EAGER_START`` (default on): whether work that would wait for a compile runs in torch meanwhile."""
+    env = os.environ if environ is None else environ
+    raw = env.get(EAGER_START_ENV, "1").strip().lower()
+    if raw not in ("0", "1", "true", "false", "yes", "no", "on", "off", ""):
+        raise ConfigError(f"{EAGER_START_ENV}={raw!r} is not a switch; set it to 1 (decode in torch while the "
+                          "backend compiles, the default) or 0 (wait for the compile)")
+    return raw not in ("0", "false", "no", "off")

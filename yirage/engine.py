@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from yirage.config import eager_start as config_eager_start
 from yirage.locks import ForkSafeRLock
 from yirage.log import working
 from yirage.models.config import ModelError, resolve_dtype, resolve_kv_dtype
@@ -109,7 +110,7 @@ class InferEngine:
     def __init__(self, model_path: str | Path, backend: Any = None, dtype: Any = None,
                  num_workers: int | None = None, num_local_schedulers: int | None = None,
                  tasks_per_layer: int | None = None, tp: int | None = None, kv_cache_dtype: Any = None,
-                 prompt_dtype: Any = None) -> None:
+                 prompt_dtype: Any = None, eager_start: bool | None = None) -> None:
         """``kv_cache_dtype``: the KV caches' dtype, float32 (None) or bfloat16/float16: a 16-bit cache halves the
         bytes each decode step reads at long contexts (2048 positions of SmolLM2: 94 MB of float32 per token)
         and the cache's memory; keys and values are rounded to it, as transformers' cache of a 16-bit model.
@@ -123,6 +124,12 @@ class InferEngine:
         ``tasks_per_layer``: how many tasks each projection is split into (the LM head gets twice as many;
         default: the backend's proposal, see LlamaModel.build_decoder). Fewer, larger tasks cost less per task;
         more balance better across many workers.
+
+        ``eager_start``: a greedy generate whose decode kernel is still compiling (a cold compile cache) decodes
+        its steps in torch meanwhile (PersistentKernel's ``eager_start``) and hands over to the kernel once it is
+        compiled, so the first answer does not wait for the compile; ``GenerationResult.timings["eager_steps"]``
+        counts them. A generate that samples, or reads every step's logits, waits. Default: on, unless
+        ``YIRAGE_EAGER_START=0``. ``wait_compiled()`` waits for the compile (before timing a decode).
 
         ``tp``: tensor-parallel ranks (default 1). With ``tp=N > 1`` this process is one of N ranks started by
         torchrun (or mpirun with the same environment): it loads only its slices of the weights, joins the
@@ -139,6 +146,9 @@ class InferEngine:
             raise ValueError(f"tp must be a positive int (tensor-parallel ranks), got {tp!r}; pass e.g. 2 under "
                              "torchrun --nproc-per-node 2, or None for one rank")
         _check_counts(num_workers, num_local_schedulers)
+        if eager_start is not None and not isinstance(eager_start, bool):
+            raise ValueError(f"eager_start must be True, False or None (YIRAGE_EAGER_START), got {eager_start!r}")
+        self.eager_start = config_eager_start() if eager_start is None else eager_start
         kv_dtype = resolve_kv_dtype(kv_cache_dtype)  # before loading: a wrong name fails fast
         prompt_dtype = resolve_prompt_dtype(prompt_dtype)
         self.tp = tp or 1
@@ -168,6 +178,13 @@ class InferEngine:
         self.num_workers, self.num_local_schedulers = num_workers, num_local_schedulers
         self._decoders: dict[tuple[Any, ...], Any] = {}
         self._tokens = self._step = None
+
+    def wait_compiled(self) -> None:
+        """Wait until the decode kernels this engine has built are compiled (PersistentKernel.wait_compiled): the
+        next generate of the same shape then decodes on them from its first step. Before timing a decode."""
+        with self._lock:
+            for decoder in self._decoders.values():
+                decoder.wait_compiled()
 
     @property
     def config(self) -> Any:
@@ -366,7 +383,9 @@ class InferEngine:
             linear = self._prompt_linear()  # the backend's projections where they beat torch's
             logits = self.model.forward(input_ids, positions, last_only=True, linear=linear)[:, -1]
         # the decode kernel's own picker: a seeded generation draws every token from the runtime's one sampler
-        first = decoder.pick(logits)
+        eager = self.eager_start and sampling is None and not config.output_logits
+        eager_before = decoder.eager_steps
+        first = decoder.pick(logits, eager_start=eager)
         self._tokens[:, prompt] = first
         self._step.fill_(prompt)
         first.cpu()  # the first token is known on the host now (on a GPU: the prefill and the pick have run)
@@ -380,7 +399,7 @@ class InferEngine:
                 scores.append(decoder.read("logits").float())
             all_logits = torch.stack(scores, dim=1).cpu()
         else:
-            steps, all_logits = decoder(config.max_new_tokens - 1), None
+            steps, all_logits = decoder(config.max_new_tokens - 1, eager_start=eager), None
         decode_s = time.perf_counter() - decode_start
         # the one copy to the host of a generation (a copy also on the CPU: the next generate reuses the buffer)
         generated = self._tokens[:, prompt:prompt + 1 + steps].to("cpu", copy=True)
@@ -399,7 +418,8 @@ class InferEngine:
             tokens=generated, lengths=lengths, text=text, ttft_ms=ttft * 1e3,
             ms_per_token=per_token * 1e3 if per_token else None,
             tokens_per_s=batch / per_token if per_token else None, backend=self.backend.name,
-            timings={"compile_s": compile_s, "decode_s": decode_s, "steps": steps}, logits=all_logits,
+            timings={"compile_s": compile_s, "decode_s": decode_s, "steps": steps,
+                     "eager_steps": decoder.eager_steps - eager_before}, logits=all_logits,
         )
 
 

@@ -97,6 +97,13 @@ class PersistentRuntime(Protocol):
     device), and ``tokens``/``step`` hold whole steps only, since a step is committed by one serial
     section or one kernel: a persistent runtime abandons the step in flight, a launched runtime commits
     it if its commit kernel was launched. The serial oracle, plain Python, may be interrupted anywhere.
+
+    Optional, for a runtime that compiles its code on first use (``PersistentKernel`` looks them up with
+    ``getattr``): ``compiling()`` returns at once whether that code is still being compiled, starting the compile
+    in the background on its first call (False once ``run`` would not wait for a compile, and where the runtime
+    cannot compile in the background); ``prepare()`` compiles (or loads) it now and returns when ``run`` would not
+    wait. While ``compiling()`` is True, ``PersistentKernel(..)(eager_start=True)`` runs greedy steps with
+    ``yirage.reference.eager.EagerRuntime`` on the same tensors, and hands over between steps.
     """
 
     kind: ClassVar[RuntimeKind]

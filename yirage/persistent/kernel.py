@@ -14,6 +14,7 @@ its key/value go to cache position ``step[b]``, attention covers positions
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from numbers import Integral
 from typing import Any
@@ -31,6 +32,27 @@ from yirage.persistent.specs import layer_spec
 from yirage.persistent.task_graph import TaskGraph
 from yirage.quant import FORMATS as QUANT_FORMATS
 from yirage.quant import QuantizedTensor
+
+#: the most bytes of float32 copies of Q8_0 / Q4_0 matrices an eager start makes (the oracle's bodies read those); a
+#: larger quantized model waits for its compile: widening its blocks per call made its torch steps slower than that
+EAGER_FLOAT_COPIES = 1 << 30
+#: seconds of eager steps a kernel starts at most; then it waits for its compile. Torch's steps and the compile share
+#: the cores, and the compile runs niced: SmolLM2 f32 on 2 cores decoded 199 eager steps in 22 s with its kernels
+#: ready after 32 s, against about 14 s for the whole answer waiting for them. An answer done within the budget
+#: (a chat reply of a small model) comes seconds early; a longer one costs at most about the budget
+EAGER_SECONDS = 3.0
+#: the serial torch runtime eager_start runs steps with (yirage.reference.eager installs EagerRuntime: the reference
+#: layer sits above this one); None: no eager steps
+_eager_runtime_class: Callable[[PersistentProgram, dict[str, int]], Any] | None = None
+
+
+def install_eager_runtime(factory: Callable[[PersistentProgram, dict[str, int]], Any]) -> None:
+    """Set what ``PersistentKernel(..)(eager_start=True)`` runs steps with while its runtime compiles: a
+    ``factory(program, config)`` returning a runtime (``run``, ``pick``, ``stop``) of the serial kind."""
+    global _eager_runtime_class
+    if not callable(factory):
+        raise TypeError(f"install_eager_runtime needs a factory(program, config), got {factory!r}")
+    _eager_runtime_class = factory
 
 _FLOATS = ("float32", "bfloat16", "float16")
 #: the smallest sampling temperature taken (0 is greedy, through argmax_layer). Why: the runtimes divide the logits
@@ -132,6 +154,9 @@ class PersistentKernel:
         self._written: set[str] = set()
         self.program: PersistentProgram | None = None  # built by compile()
         self.runtime: PersistentRuntime | None = None
+        self._eager: Any = None  # the EagerRuntime of eager_start, while the runtime compiles; then None
+        self.eager_steps = 0  # steps run by it, over this kernel's life
+        self._eager_s = 0.0  # and their seconds (at most EAGER_SECONDS' worth are started)
         self.tokens_tensor = self._register("tokens", tuple(tokens.shape), str(tokens.dtype).removeprefix("torch."),
                                             True, tokens)
 
@@ -534,11 +559,19 @@ class PersistentKernel:
             if vocab is not None and not 0 <= tok < vocab:
                 raise LayerError(f"tokens[{b}, {pos}] = {tok} is not a token id in [0, {vocab})")
 
-    def __call__(self, max_new_tokens: int | None = None) -> int:
+    def __call__(self, max_new_tokens: int | None = None, *, eager_start: bool = False) -> int:
         """Decode until EOS or max_seq_length (or ``max_new_tokens`` steps); returns steps run.
 
         Every tensor handed to compiled code is re-checked first (address,
         shape, strides, dtype, storage size). Concurrent calls are serialized.
+
+        ``eager_start``: while the runtime's code is still compiling (its ``compiling()``, which starts that
+        compile in the background), greedy steps run in torch (``yirage.reference.eager``) on the same tensors,
+        one at a time, and the runtime takes over at the first step after its compile ends: the first answer
+        of a cold process does not wait for the compile. At most ``EAGER_SECONDS`` of such steps per kernel: then
+        it waits for the compile, which has the cores to itself. Not for sampling (the draws would depend on which
+        runtime ran a step), multi-rank kernels or quantized matrices above ``EAGER_FLOAT_COPIES`` bytes as
+        float32: those wait, as without it.
         """
         if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
                                            or max_new_tokens < 0):
@@ -554,13 +587,61 @@ class PersistentKernel:
             assert self._snapshot is not None
             self._snapshot.verify()
             self.check_meta()
-            return int(self.runtime.run(max_new_tokens))
+            steps = 0
+            eager = self._eager_runtime() if eager_start else None
+            while eager is not None and (max_new_tokens is None or steps < max_new_tokens):
+                start = time.perf_counter()
+                ran = eager.run(1)
+                self._eager_s += time.perf_counter() - start
+                self.eager_steps += ran
+                steps += ran
+                if ran == 0:  # every row is at an EOS or max_seq_length
+                    return steps
+                eager = self._eager_runtime()
+            if max_new_tokens is not None and steps == max_new_tokens:
+                return steps
+            return steps + int(self.runtime.run(None if max_new_tokens is None else max_new_tokens - steps))
 
-    def pick(self, logits: Any) -> Any:
+    def _eager_runtime(self) -> Any:
+        """The EagerRuntime for ``eager_start`` while the runtime compiles (made on first need), else None (and
+        the eager one, with its buffers, dropped). Under the kernel's lock."""
+        compiling = getattr(self.runtime, "compiling", None)
+        if (compiling is None or _eager_runtime_class is None or self._eager_s >= EAGER_SECONDS
+                or not self._eager_allowed() or not compiling()):
+            self._eager = None
+            return None
+        if self._eager is None:
+            assert self.program is not None
+            self._eager = _eager_runtime_class(self.program, {"num_workers": 1, "num_local_schedulers": 1})
+        return self._eager
+
+    def _eager_allowed(self) -> bool:
+        """Greedy, one rank, and float32 copies of the Q8_0 / Q4_0 matrices within ``EAGER_FLOAT_COPIES`` bytes:
+        where the torch steps pick what the runtime would (a sampler's draws would depend on which runtime ran a
+        step), need no collective, and take at most that much memory until the runtime takes over."""
+        if self.program is None or self.program.picker.kind != "argmax" or any(
+                layer.spec.collective is not None for layer in self.layers):
+            return False
+        copies = sum(4 * math.prod(t.dims) for t in self.program.tensors if t.dtype in QUANT_FORMATS)
+        return copies <= EAGER_FLOAT_COPIES
+
+    def wait_compiled(self) -> None:
+        """Compile (or load) the runtime's code now, if it compiles on first use (its ``prepare()``): after this a
+        call runs no eager step and waits for no compile. Compiles the kernel first where needed."""
+        refuse_dispatch_modes("PersistentKernel.wait_compiled() was called")
+        with self._lock:
+            if self.runtime is None:
+                self.compile()
+            prepare = getattr(self.runtime, "prepare", None)
+            if prepare is not None:
+                prepare()
+            self._eager = None
+
+    def pick(self, logits: Any, *, eager_start: bool = False) -> Any:
         """Every row's next token picked from ``logits`` (batch, vocab) by this kernel's last layer (argmax, or its
         sampler at each row's position ``step[b]``) without decoding a step: a prompt's first token, drawn from the
         same sampler as the decode steps. Returns (batch,) int64 on the kernel's device; writes neither ``tokens``
-        nor ``step`` (the caller appends the token and advances ``step``)."""
+        nor ``step`` (the caller appends the token and advances ``step``). ``eager_start``: as in ``__call__``."""
         import torch
 
         refuse_dispatch_modes("PersistentKernel.pick() was called")
@@ -575,7 +656,8 @@ class PersistentKernel:
             logits = logits.to(device=self.step.device, dtype=torch.float32).contiguous()
             self._snapshot.verify()
             self.check_meta()
-            return self.runtime.pick(logits).to(torch.int64, copy=True)
+            eager = self._eager_runtime() if eager_start else None
+            return (eager or self.runtime).pick(logits).to(torch.int64, copy=True)
 
     def read(self, name: str) -> Any:
         """A copy of a tensor of the last run (e.g. ``"logits"``), for tests and debugging.

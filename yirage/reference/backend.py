@@ -16,6 +16,7 @@ from yirage.backend.host import host_device_info, host_memory_info
 from yirage.backend.plugins import install_core_plugin
 from yirage.backend.probes import distribution_version, module_installed
 from yirage.backend.runtime_contract import SERIAL, PersistentRuntime
+from yirage.reference import eager as _eager  # noqa: F401 - installs the runtime of PersistentKernel's eager_start
 
 YIRAGE_PLUGIN_API = 1
 

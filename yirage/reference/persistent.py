@@ -192,8 +192,23 @@ class ReferenceRuntime:
                 if int(p.step[b]) + 1 < p.max_seq_length and int(p.tokens[b, int(p.step[b])]) not in
                 p.eos_token_ids]
 
-    def run(self, max_new_tokens: int | None = None) -> int:
+    def _step(self, profile: Any) -> None:
+        """One step's tasks in the task graph's order (each task's start and end into ``profile``, where given),
+        until a stop."""
         p, graph = self.program, self.graph
+        origin = time.perf_counter_ns()
+        for task in self.order:
+            if self._stop:
+                return
+            start = time.perf_counter_ns()
+            self.run_task(p.layers[graph.task_layer[task]], graph.task_index[task])
+            if profile is not None and 3 * task + 2 < profile.numel():
+                profile[3 * task] = start - origin
+                profile[3 * task + 1] = time.perf_counter_ns() - origin
+                profile[3 * task + 2] = 0  # the one worker
+
+    def run(self, max_new_tokens: int | None = None) -> int:
+        p = self.program
         picker = self.values[p.picker.output.name]
         profile = p.profiler_tensor
         steps = 0
@@ -201,16 +216,7 @@ class ReferenceRuntime:
         with shutdown.decoding(self):
             active = self.active_rows()
             while active and (max_new_tokens is None or steps < max_new_tokens) and not self._stop:
-                origin = time.perf_counter_ns()
-                for task in self.order:
-                    if self._stop:
-                        break
-                    start = time.perf_counter_ns()
-                    self.run_task(p.layers[graph.task_layer[task]], graph.task_index[task])
-                    if profile is not None and steps == 0 and 3 * task + 2 < profile.numel():
-                        profile[3 * task] = start - origin
-                        profile[3 * task + 1] = time.perf_counter_ns() - origin
-                        profile[3 * task + 2] = 0  # the one worker
+                self._step(profile if steps == 0 else None)
                 if self._stop:
                     break  # a stopped step is not committed (as the cpu runtime)
                 for b in active:

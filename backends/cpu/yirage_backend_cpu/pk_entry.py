@@ -94,6 +94,8 @@ def cached(entry: CFunc) -> bool:
 
 #: ``YIRAGE_CPU_COMPILE_APART=0``: compile every entry point in the process that needs it (no child process)
 COMPILE_APART_ENV = "YIRAGE_CPU_COMPILE_APART"
+#: how much lower a compile-ahead child's scheduling priority is than this process's (os.nice)
+CHILD_NICENESS = 10
 _ahead: dict[int, Ahead] = {}  # id(job) -> the child compiling it (jobs are module globals: ids are stable)
 _starting = threading.Lock()
 
@@ -151,6 +153,12 @@ class Ahead:
             self.kill()
             raise
 
+    def busy_with(self, job: Any) -> bool:
+        """Whether this child still has ``job`` to compile: on its list, not done, not taken back, not ended."""
+        name = self.names[id(job)]
+        with self._changed:
+            return name not in self.done and name not in self.taken and not self.ended
+
     def _failed(self, name: str) -> None:
         self.errors.seek(0)
         logger.warning("compiling %s in a child process failed (exit %s); compiling it here instead: %s", name,
@@ -187,6 +195,15 @@ def wait_ahead(job: Any) -> None:
         ahead.wait_for(job)
 
 
+def pending(job: Any) -> bool:
+    """Whether a ``compile_ahead`` child is compiling ``job`` or has it still to do (it neither finished it nor
+    ended): at once, without waiting or taking it back. A caller that must not wait runs something else meanwhile
+    (the prompt's projections in torch, a decode's first steps in torch: yirage's ``eager_start``)."""
+    with _lock:
+        ahead = _ahead.get(id(job))
+    return ahead is not None and ahead.busy_with(job)
+
+
 def compile_ahead(jobs: list[Any]) -> Ahead | None:
     """Start ``jobs``, in this order, in a child process that writes numba's cache, so this process can compile the
     rest at the same time: on a cold cache two cores compile at once. A job is an entry point (``task_entry``),
@@ -214,7 +231,9 @@ def _start(jobs: list[Any]) -> Ahead | None:
         todo[id(job)] = (job.__module__, name, entry)
     if not any(entry for _, _, entry in todo.values()):
         return None
-    lines = ["import sys", "from yirage_backend_cpu.pk_entry import compiled"]
+    # niced: where this process runs something the user waits for (a prompt, a decode's first steps in torch) and
+    # two children compile, its torch threads would otherwise queue behind them for whole scheduler periods
+    lines = ["import os", f"os.nice({CHILD_NICENESS})", "from yirage_backend_cpu.pk_entry import compiled"]
     for module, name, entry in todo.values():
         lines += [f"from {module} import {name}", f"print('start:{module}:{name}', flush=True)",
                   f"compiled({name})" if entry else f"{name}()", f"print('done:{module}:{name}', flush=True)"]

@@ -55,6 +55,7 @@ from yirage_backend_cpu.pk_entry import (
     SAMPLE_ENTRY,
     compile_ahead,
     compiled,
+    pending,
     task_frame,
     wait_ahead,
 )
@@ -388,6 +389,7 @@ class CPUPersistentRuntime:
         self.last_comm = {"calls": 0, "comm_s": 0.0, "decode_s": 0.0}  # of the last run: the communication share
         self.last_profile: np.ndarray | None = None
         self.entries: np.ndarray | None = None  # _entries(), on the first run
+        self.ahead_asked = False  # compiling() has started what it needs compiled
         self.last_backoff = {"yields": 0, "sleeps": 0}  # of the last run: idle threads that gave their core away
         # every address in the table, re-checked before each run (the kernel checks the user's tensors too)
         self.snapshot = Snapshot([*zip([*names, "step"], self.keep, strict=True)])
@@ -476,6 +478,31 @@ class CPUPersistentRuntime:
         self.entries = entries
         return entries
 
+    def _jobs(self) -> list[Any]:
+        """What ``run``'s first call compiles where it is not cached (a float or quantized program's projections
+        entry, ``ahead``'s jobs); not the quantized and sampling bodies, which an eager start never waits for."""
+        _, narrow, wide, _ = self._needs()
+        return [*ahead(narrow, wide), linear_entry if self._float_matrices() else linear_blocks_entry]
+
+    def compiling(self) -> bool:
+        """PersistentRuntime.compiling: on its first call, a child starts compiling every job of ``_jobs`` not
+        cached or on a child's list already (pk_entry.compile_ahead; Backend.prepare_decode's child has most of
+        them); True while one of them is left. False once this process has the code, and where no child compiles
+        (``YIRAGE_CPU_COMPILE_APART=0``, no cache): ``run`` then compiles here, as without an eager start."""
+        if execute_entry.address is not None and self.entries is not None:
+            return False
+        jobs = self._jobs()
+        if not self.ahead_asked:
+            self.ahead_asked = True
+            compile_ahead(jobs)
+        return any(pending(job) for job in jobs)
+
+    def prepare(self) -> None:
+        """PersistentRuntime.prepare: the decode's code compiled, or loaded from the cache, as ``run``'s first call
+        would (waiting for the children that have it)."""
+        self._execute(self._args(self.program.max_seq_length, np.zeros(0, np.int64)))
+        self._entries()
+
     def _sample_entry(self) -> int:
         return int(compiled(sample_entry).address) if self._needs()[3] else 0
 
@@ -527,6 +554,15 @@ class CPUPersistentRuntime:
         schedulers = min(share if self.schedulers else 0, threads // 2)  # at least half the threads work
         return threads, threads - schedulers, schedulers
 
+    def _args(self, limit: int, profile: np.ndarray) -> tuple[Any, ...]:
+        """``decode``'s arguments up to its entry points, for ``limit`` steps."""
+        program = self.program
+        _, workers, schedulers = self.effective()
+        tokens_id, tok_cols, step_id, pick_id = self.ids
+        return (self.addr, self.tdt, self.tnum, self.lp, self.lf, *self.graph_arrays, workers, schedulers, limit,
+                np.array(program.eos_token_ids or [-1], np.int64), program.max_seq_length, program.batch, tokens_id,
+                tok_cols, step_id, pick_id, self.scratch, self.scr, profile, self.steps_run, self.flags)
+
     def run(self, max_new_tokens: int | None = None) -> int:
         """Decode (see PersistentKernel.__call__); the caller serializes calls (the kernel's lock).
 
@@ -539,15 +575,12 @@ class CPUPersistentRuntime:
         profile = np.zeros(0, np.int64)
         if program.profiler_tensor is not None:
             profile = np.zeros(3 * len(self.task_origin), np.int64)
-        threads, workers, schedulers = self.effective()
-        tokens_id, tok_cols, step_id, pick_id = self.ids
+        threads = self.effective()[0]
         limit = program.max_seq_length if max_new_tokens is None else int(max_new_tokens)
         self.flags[:] = 0
         for arrived in self.split_buffers[1::2]:  # a run stopped mid-step may have left chunks counted
             arrived.zero_()
-        args = (self.addr, self.tdt, self.tnum, self.lp, self.lf, *self.graph_arrays, workers, schedulers, limit,
-                np.array(program.eos_token_ids or [-1], np.int64), program.max_seq_length, program.batch, tokens_id,
-                tok_cols, step_id, pick_id, self.scratch, self.scr, profile, self.steps_run, self.flags)
+        args = self._args(limit, profile)
         args += (self._execute(args), self._entries())
         check_fork()
         comm = self.comm

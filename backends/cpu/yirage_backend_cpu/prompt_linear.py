@@ -35,10 +35,11 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from yirage.config import eager_start
 from yirage.models.prefill import torch_linear
 from yirage_backend_cpu.bf16_dot import bf16_parts, usable
 from yirage_backend_cpu.kernel_lib import FASTMATH
-from yirage_backend_cpu.pk_entry import compiled
+from yirage_backend_cpu.pk_entry import cached, compile_ahead, compiled, pending
 from yirage_backend_cpu.pk_quant import Q4_0, Q4_0G, Q8_0, Q8_0G, linear_q_entry
 from yirage_backend_cpu.pk_tasks import BF16, F16, F32, call_linear, linear_blocks_entry, linear_entry
 from yirage_backend_cpu.prompt_rows import Fixed, Measured, choice
@@ -100,7 +101,7 @@ class PromptLinear:
             if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] == 0:
                 return None
             plan = self._plan(weight)
-            if plan is None or x.shape[1] != plan.k:
+            if plan is None or x.shape[1] != plan.k or not _ready(plan.quantized):
                 return None
             run = lambda z: self._run(z, plan)  # noqa: E731
             kind, n, k = plan.kind, plan.n, plan.k
@@ -196,6 +197,22 @@ class PromptLinear:
         threads = max(1, min(torch.get_num_threads(), n // align))
         cuts = [(n // align) * i // threads * align for i in range(threads)] + [n]
         return [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+
+
+def _ready(quantized: bool) -> bool:
+    """Whether the tiles' entry points can run without waiting for a compile: compiled, or in numba's cache, or
+    yirage's eager start is off (``YIRAGE_EAGER_START=0``: the call compiles them here, or waits for the child
+    compiling them, as a cold process did before). Else torch's GEMM runs this call, and a child compiles them
+    where none has them yet (pk_entry.compile_ahead): a cold process's first prompt does not wait 4-7 s for
+    the tiles' compile, and its prompts take the tiles once they are in the cache."""
+    entries = (linear_blocks_entry, linear_q_entry) if quantized else (linear_entry,)
+    if all(entry.address is not None for entry in entries) or not eager_start():
+        return True
+    if any(pending(entry) for entry in entries):
+        return False
+    if all(cached(entry) for entry in entries):
+        return True
+    return compile_ahead(list(entries)) is None  # None: nothing left to a child (no cache): compiled here
 
 
 def _stamp(t: Any) -> tuple[Any, ...]:
