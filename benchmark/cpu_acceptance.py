@@ -8,8 +8,8 @@ Per dtype (the real SmolLM2 file, re-typed on load; llama.cpp reads the same wei
 * **cold start**: ``demo/generate.py`` in a fresh process with empty numba and yirage compile caches (the model
   file reused through ``$YIRAGE_SMOLLM2_GGUF``): the first answer's time (the demo's first generate: its prefill and
   its tokens, the first steps in torch while the kernels compile: ``InferEngine(eager_start=...)``), when the
-  compiled kernels were ready, and the whole process's time. A second, warm process gives the warm figures and checks that the
-  greedy tokens equal transformers' on the same weights (``identical``).
+  compiled kernels were ready, and the whole process's time. A second, warm process gives the warm figures and
+  checks that the greedy tokens equal transformers' on the same weights (``identical``).
 * **prompt** (``benchmark/llm_bench.py``, batch 1, 16 / 128 / 512 prompt tokens): TTFT and prompt tokens/s
   against llama.cpp (``llama-bench -p``) and HF eager; bf16 twice: yirage's default (float32 activations) and
   ``prompt_dtype="bfloat16"`` (activations rounded to bf16, as HF and llama.cpp compute a bf16 prompt).

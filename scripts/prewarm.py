@@ -11,6 +11,7 @@ after a float32 pre-warm. ``make setup`` runs it; it prints each format's second
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", nargs="+", default=list(FORMATS), choices=FORMATS)
     args = parser.parse_args(argv)
+    os.environ["YIRAGE_EAGER_START"] = "0"  # compile here, every kernel, rather than run anything in torch meanwhile
     import yirage as yr
 
     if not yr.is_backend_available("cpu"):

@@ -6,9 +6,9 @@ all of them (attention once per (row, KV head), its tasks). The same bodies, the
 step contract (which rows decode, EOS, the commit, Ctrl-C between layers) as the oracle: only the walk differs.
 
 What it is for: a compiled runtime whose code is not in its compile cache yet can decode a greedy generation's
-first steps with it while its compile runs (``EagerStart``), so the first answer does not wait for the compile.
-The program's layers are in dependency order by construction (a layer can only read tensors made before it), so
-running them in that order runs every task after the tasks it waits for.
+first steps with it while its compile runs (``PersistentKernel(..)(eager_start=True)``), so the first answer does
+not wait for the compile. Layer order is a valid order of the task graph: its every event runs from a layer to a
+later one (task_graph.build_task_graph: a tensor's producer is its last writer before the reading layer).
 """
 
 from __future__ import annotations

@@ -233,7 +233,8 @@ def _start(jobs: list[Any]) -> Ahead | None:
         return None
     # niced: where this process runs something the user waits for (a prompt, a decode's first steps in torch) and
     # two children compile, its torch threads would otherwise queue behind them for whole scheduler periods
-    lines = ["import os", f"os.nice({CHILD_NICENESS})", "from yirage_backend_cpu.pk_entry import compiled"]
+    lines = ["import os", f"getattr(os, 'nice', abs)({CHILD_NICENESS})",  # os.nice: POSIX only
+             "from yirage_backend_cpu.pk_entry import compiled"]
     for module, name, entry in todo.values():
         lines += [f"from {module} import {name}", f"print('start:{module}:{name}', flush=True)",
                   f"compiled({name})" if entry else f"{name}()", f"print('done:{module}:{name}', flush=True)"]
