@@ -38,9 +38,10 @@ from yirage.quant import QuantizedTensor
 EAGER_FLOAT_COPIES = 1 << 30
 #: seconds of eager steps a kernel starts at most; then it waits for its compile. Torch's steps and the compile share
 #: the cores, and the compile runs niced: SmolLM2 f32 on 2 cores decoded 199 eager steps in 22 s with its kernels
-#: ready after 32 s, against about 14 s for the whole answer waiting for them. An answer done within the budget
-#: (a chat reply of a small model) comes seconds early; a longer one costs at most about the budget
-EAGER_SECONDS = 3.0
+#: ready after 32 s, against about 17 s for the whole answer waiting for them. An answer done within the budget
+#: (a chat reply of a small model: SmolLM2 Q4_0's 48 tokens after 4.2 s instead of 13) comes seconds early; a longer
+#: one costs at most about the budget (200 f32 tokens: 21.9 s against 19.4)
+EAGER_SECONDS = 5.0
 #: the serial torch runtime eager_start runs steps with (yirage.reference.eager installs EagerRuntime: the reference
 #: layer sits above this one); None: no eager steps
 _eager_runtime_class: Callable[[PersistentProgram, dict[str, int]], Any] | None = None
